@@ -1,0 +1,46 @@
+# The two set-up commands: `make demo` and `make test`. Both create .venv when missing.
+PYTHON ?= python3
+VENV := .venv
+BIN := $(VENV)/bin
+STAMP := $(VENV)/.installed
+WORKDIR ?= demo-run
+VERSION := $(shell sed -n 's/^__version__ = "\(.*\)"/\1/p' src/kubejax/version.py)
+
+.PHONY: demo test lint format bench compile image clean
+
+$(STAMP): pyproject.toml
+	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
+	$(BIN)/python -m pip install --quiet --upgrade pip
+	$(BIN)/python -m pip install --quiet -e '.[dev]'
+	touch $(STAMP)
+
+demo: $(STAMP)
+	$(BIN)/kubejax run --local --workdir $(WORKDIR)
+
+test: $(STAMP)
+	$(BIN)/ruff check .
+	$(BIN)/ruff format --check .
+	$(BIN)/python -m pytest -q tests
+
+lint: $(STAMP)
+	$(BIN)/ruff check .
+	$(BIN)/ruff format --check .
+
+format: $(STAMP)
+	$(BIN)/ruff format .
+	$(BIN)/ruff check --fix .
+
+compile: $(STAMP)
+	$(BIN)/kubejax compile --output-dir compiled
+
+bench: $(STAMP)
+	$(BIN)/python benchmarks/bench_train.py
+	$(BIN)/python benchmarks/bench_tokenize.py
+	$(BIN)/python benchmarks/bench_evaluate.py
+	$(BIN)/python benchmarks/bench_sweep.py
+
+image:
+	docker build -f trainer_image/Dockerfile -t ghcr.io/kubejax/kubejax:$(VERSION) .
+
+clean:
+	rm -rf $(WORKDIR) .pytest_cache

@@ -1,0 +1,175 @@
+"""The input pipeline over a prepared dataset (the format is described in `prepare.py`).
+
+Batches are planned identically on every process from the seed, the epoch and the token lengths,
+so all processes step in lockstep with the same padded shape; each process then gathers only its
+share of every global batch.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+
+from kubejax.data.prepare import METADATA_FILE
+
+#: Padded lengths are multiples of this, so the number of compiled shapes stays small.
+DEFAULT_BUCKET_MULTIPLE = 32
+#: Batches are formed from windows of this many batches sorted by length (length grouping).
+_SORT_WINDOW = 64
+
+
+class DatasetError(ValueError):
+    """A prepared dataset that cannot be used; the message names the setting."""
+
+
+@dataclass
+class TokenizedSplit:
+    """One split in memory: ragged token ids as flat values + offsets, labels, lengths."""
+
+    values: np.ndarray  # int32 [total tokens]
+    offsets: np.ndarray  # int64 [rows + 1]
+    labels: np.ndarray  # int32 [rows]
+    texts: list[str] | None = None
+
+    @property
+    def lengths(self) -> np.ndarray:
+        return np.diff(self.offsets)
+
+    def __len__(self) -> int:
+        return len(self.labels)
+
+
+def read_metadata(data_dir: str | Path) -> dict:
+    """The dataset's metadata.json."""
+    path = Path(data_dir) / METADATA_FILE
+    if not path.is_file():
+        raise DatasetError(f"data_dir: {data_dir} is not a prepared dataset (no {METADATA_FILE})")
+    return json.loads(path.read_text())
+
+
+def load_split(data_dir: str | Path, split: str, *, with_text: bool = False) -> TokenizedSplit:
+    """Load one split of a prepared dataset into NumPy arrays."""
+    import datasets
+
+    path = Path(data_dir) / split
+    if not path.is_dir():
+        raise DatasetError(f"data_dir: {data_dir} has no {split!r} split")
+    table = datasets.load_from_disk(str(path)).data.table
+    ids = table.column("input_ids").combine_chunks()
+    offsets = ids.offsets.to_numpy().astype(np.int64)
+    values = ids.values.to_numpy().astype(np.int32)
+    offsets = offsets - offsets[0]
+    labels = table.column("label").to_numpy().astype(np.int32)
+    texts = None
+    if with_text and "text" in table.column_names:
+        texts = table.column("text").to_pylist()
+    return TokenizedSplit(values, offsets, labels, texts)
+
+
+def bucket_length(max_len: int, multiple: int, cap: int) -> int:
+    """The padded length for a batch whose longest row has `max_len` tokens."""
+    return int(min(cap, max(multiple, -(-max_len // multiple) * multiple)))
+
+
+def plan_epoch(
+    lengths: np.ndarray, global_batch: int, seed: int, epoch: int, *, group_by_length: bool = True
+) -> np.ndarray:
+    """Row indices of every full global batch of one epoch, [batches, global_batch].
+
+    Seeded shuffle per epoch; rows are grouped by length within windows of batches so padding
+    stays small; the last partial batch is dropped so every process runs the same steps.
+    """
+    rng = np.random.default_rng([seed, epoch])
+    order = rng.permutation(len(lengths))
+    n_batches = len(order) // global_batch
+    order = order[: n_batches * global_batch]
+    if group_by_length:
+        window = _SORT_WINDOW * global_batch
+        for start in range(0, len(order), window):
+            chunk = order[start : start + window]
+            order[start : start + window] = chunk[np.argsort(lengths[chunk], kind="stable")]
+    batches = order.reshape(n_batches, global_batch)
+    return batches[rng.permutation(n_batches)]
+
+
+def gather(
+    split: TokenizedSplit, rows: np.ndarray, length: int, pad_id: int = 0
+) -> dict[str, np.ndarray]:
+    """Padded `input_ids`, `attention_mask` and `labels` for `rows` (any leading shape)."""
+    flat = rows.reshape(-1)
+    starts = split.offsets[flat]
+    lens = np.minimum(split.offsets[flat + 1] - starts, length)
+    pos = np.arange(length)
+    mask = pos[None, :] < lens[:, None]
+    idx = np.where(mask, starts[:, None] + pos[None, :], 0)
+    ids = np.where(mask, split.values[idx], pad_id).astype(np.int32)
+    shape = (*rows.shape, length)
+    return {
+        "input_ids": ids.reshape(shape),
+        "attention_mask": mask.astype(np.int32).reshape(shape),
+        "labels": split.labels[flat].reshape(rows.shape),
+    }
+
+
+def train_batches(
+    split: TokenizedSplit,
+    *,
+    global_batch: int,
+    accum_steps: int,
+    process_index: int,
+    process_count: int,
+    seed: int,
+    start_step: int,
+    bucket_multiple: int,
+    max_length: int,
+) -> Iterator[tuple[int, dict[str, np.ndarray]]]:
+    """Endless (step, local batch) from `start_step` on; batch arrays are
+    [accum_steps, micro_batch / process_count, length]."""
+    lengths = split.lengths
+    per_epoch = len(lengths) // global_batch
+    micro = global_batch // accum_steps
+    local = micro // process_count
+    step = start_step
+    while True:
+        epoch, index = divmod(step, per_epoch)
+        plan = plan_epoch(lengths, global_batch, seed, epoch)
+        for rows in plan[index:]:
+            length = bucket_length(int(lengths[rows].max()), bucket_multiple, max_length)
+            mine = rows.reshape(accum_steps, micro)[
+                :, process_index * local : (process_index + 1) * local
+            ]
+            yield step, gather(split, mine, length)
+            step += 1
+
+
+def eval_batches(
+    split: TokenizedSplit,
+    *,
+    batch_size: int,
+    process_index: int,
+    process_count: int,
+    bucket_multiple: int,
+    max_length: int,
+    limit: int = 0,
+) -> Iterator[dict[str, np.ndarray]]:
+    """Every row once, in length order, as global batches of `batch_size` with a `weights`
+    array: the last batch is padded with weight-0 rows so all processes keep the same shapes."""
+    n = len(split) if limit <= 0 else min(limit, len(split))
+    order = np.argsort(split.lengths[:n], kind="stable")
+    local = batch_size // process_count
+    for start in range(0, n, batch_size):
+        rows = order[start : start + batch_size]
+        weights = np.ones(batch_size, dtype=np.float32)
+        if len(rows) < batch_size:
+            weights[len(rows) :] = 0.0
+            rows = np.concatenate([rows, np.full(batch_size - len(rows), rows[0])])
+        length = bucket_length(int(split.lengths[rows].max()), bucket_multiple, max_length)
+        mine = slice(process_index * local, (process_index + 1) * local)
+        batch = gather(split, rows[mine], length)
+        batch["weights"] = weights[mine]
+        batch["rows"] = rows[mine]
+        yield batch

@@ -1,0 +1,532 @@
+"""Yelp reviews (Hugging Face hub or the user's files) into the tokenized dataset.
+
+The on-disk format, read by the trainer and evaluation (`kubejax.data.dataset`):
+
+    <out>/dataset_dict.json, <out>/{train,validation,test}/   datasets.DatasetDict.save_to_disk
+        input_ids       list<int32>   token ids, [CLS] … [SEP], truncated to max_length, unpadded
+        attention_mask  list<int8>    ones, one per token (the trainer pads per length bucket)
+        label           int64         0 … num_labels-1
+        length          int32         number of tokens
+        text            string        test split only: the cleaned review, for predictions
+    <out>/metadata.json   label names and mapping, rows per split, class balance, token-length
+                          percentiles, truncation rate, rows dropped by each cleaning rule,
+                          tokenizer, max_length, source and revision
+"""
+
+from __future__ import annotations
+
+import csv
+import itertools
+import json
+import os
+import re
+import shutil
+import tempfile
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import numpy as np
+import pandas as pd
+
+from kubejax import report
+
+FORMATS = {".csv": "csv", ".tsv": "tsv", ".json": "json", ".jsonl": "jsonl", ".parquet": "parquet"}
+SPLITS = ("train", "validation", "test")
+METADATA_FILE = "metadata.json"
+_SPLIT_RE = re.compile(r"^([A-Za-z_][\w.-]*)(?:\[(-?\d+%?)?:(-?\d+%?)?\])?$")
+_CHUNK = 8192
+
+
+class PrepareError(ValueError):
+    """Bad input to data preparation; the message names the setting."""
+
+
+@dataclass
+class PrepareConfig:
+    """What `prepare_yelp` reads and how it tokenizes."""
+
+    tokenizer: str  # model folder or hub id whose fast tokenizer is used
+    source: str = "Yelp/yelp_review_full"  # hub dataset id, a file, a folder, or an fsspec URI
+    revision: str | None = None  # hub revision (branch, tag or commit)
+    train_split: str = "train"  # split spec, e.g. "train" or "train[:1%]"
+    validation_split: str = ""  # empty: carve validation out of train
+    test_split: str = "test"  # for a single-file source, carved out of it
+    text_column: str = "text"
+    label_column: str = "label"
+    label_mapping: str = "auto"  # auto | a JSON object {raw label: id}
+    num_labels: int = 0  # 0: inferred; else labels must lie in 0..num_labels-1 after mapping
+    max_length: int = 256  # truncation length in tokens, [CLS] and [SEP] included
+    validation_fraction: float = 0.1  # share of train carved out as validation
+    test_fraction: float = 0.1  # share carved out as test when the source has no test split
+    max_train_samples: int = 0  # stratified caps; 0: no cap
+    max_validation_samples: int = 0
+    max_test_samples: int = 0
+    deduplicate: bool = False  # drop repeated texts (first kept)
+    unescape_newlines: bool = True  # the literal two characters \n become newlines
+    seed: int = 0
+    extra: dict = field(default_factory=dict)  # recorded in metadata as is
+
+    def __post_init__(self):
+        self.tokenizer, self.source = str(self.tokenizer), str(self.source)
+        for name in ("train_split", "test_split") + (
+            ("validation_split",) if self.validation_split else ()
+        ):
+            if not _SPLIT_RE.match(getattr(self, name)):
+                raise PrepareError(
+                    f"{name}: {getattr(self, name)!r} is not a split spec "
+                    "(NAME or NAME[START:END], START/END integers or percentages)"
+                )
+        for name in ("validation_fraction", "test_fraction"):
+            if not 0.0 < getattr(self, name) < 1.0:
+                raise PrepareError(f"{name}: must be between 0 and 1, got {getattr(self, name)}")
+        if self.max_length < 8:
+            raise PrepareError(f"max_length: must be at least 8, got {self.max_length}")
+
+
+def _parse_split(spec: str) -> tuple[str, str | None, str | None]:
+    m = _SPLIT_RE.match(spec)
+    assert m is not None  # validated in PrepareConfig
+    return m.group(1), m.group(2), m.group(3)
+
+
+def _slice(df: pd.DataFrame, start: str | None, end: str | None) -> pd.DataFrame:
+    def pos(v):
+        if v is None:
+            return None
+        return round(len(df) * int(v[:-1]) / 100) if v.endswith("%") else int(v)
+
+    return df.iloc[pos(start) : pos(end)]
+
+
+def _looks_local(source: str) -> bool:
+    return (
+        "://" in source
+        or source.startswith((".", "/", "~"))
+        or Path(source).suffix.lower() in FORMATS
+        or os.path.exists(source)
+    )
+
+
+def _read_csv(path: str, sep: str, cfg: PrepareConfig) -> pd.DataFrame:
+    import fsspec
+
+    with fsspec.open(path, "r", encoding="utf-8", newline="") as f:
+        first = next(csv.reader([f.readline()], delimiter=sep), [])
+    has_header = cfg.text_column in first and cfg.label_column in first
+    if has_header:
+        return pd.read_csv(path, sep=sep, keep_default_na=False, dtype=str)
+    # The Zhang et al. (2015) layout: no header, class first, then (title and) text.
+    if len(first) in (2, 3) and first[0].strip().lstrip("-").isdigit():
+        names = ["label", "text"] if len(first) == 2 else ["label", "title", "text"]
+        df = pd.read_csv(path, sep=sep, header=None, names=names, keep_default_na=False, dtype=str)
+        if len(first) == 3:
+            df["text"] = df["title"].str.cat(df["text"], sep="\n")
+        return df.rename(columns={"label": cfg.label_column, "text": cfg.text_column})
+    raise PrepareError(
+        f"text_column/label_column: {path} has no header with {cfg.text_column!r} and "
+        f"{cfg.label_column!r}, and is not in the headerless class,text layout; "
+        f"its first row is {first[:4]}"
+    )
+
+
+def read_file(path: str, cfg: PrepareConfig) -> pd.DataFrame:
+    """One local or fsspec file as a DataFrame."""
+    suffix = Path(path.split("?")[0]).suffix.lower()
+    fmt = FORMATS.get(suffix)
+    if fmt is None:
+        raise PrepareError(f"source: {path} has extension {suffix!r}; allowed: {sorted(FORMATS)}")
+    try:
+        if fmt in ("csv", "tsv"):
+            return _read_csv(path, "," if fmt == "csv" else "\t", cfg)
+        if fmt == "parquet":
+            return pd.read_parquet(path)
+        try:
+            return pd.read_json(path, lines=fmt == "jsonl", dtype=False)
+        except ValueError:
+            return pd.read_json(path, lines=True, dtype=False)
+    except PrepareError:
+        raise
+    except (OSError, ValueError, UnicodeDecodeError, pd.errors.ParserError) as err:
+        raise PrepareError(f"source: cannot read {path}: {err}") from err
+
+
+def _split_files(source: str) -> dict[str, str] | None:
+    """Split name → file for a folder source; None for a single file."""
+    import fsspec
+
+    fs, root = fsspec.core.url_to_fs(source)
+    if not fs.exists(root):
+        raise PrepareError(f"source: {source} does not exist")
+    if not fs.isdir(root):
+        return None
+    prefix = source[: len(source) - len(root)] if source.endswith(root) else ""
+    found = {}
+    for entry in fs.ls(root, detail=False):
+        p = Path(entry)
+        if p.suffix.lower() in FORMATS:
+            found.setdefault(p.stem, prefix + entry)
+    if not found:
+        raise PrepareError(f"source: folder {source} holds no {sorted(FORMATS)} files")
+    return found
+
+
+def load_source(cfg: PrepareConfig) -> tuple[dict[str, pd.DataFrame], list[str] | None]:
+    """The source's splits as DataFrames (missing ones absent), and class names if it has any."""
+    wanted = {"train": cfg.train_split, "test": cfg.test_split}
+    if cfg.validation_split:
+        wanted["validation"] = cfg.validation_split
+    if _looks_local(cfg.source):
+        files = _split_files(cfg.source)
+        if files is None:
+            return {"all": read_file(cfg.source, cfg)}, None
+        out = {}
+        for split, spec in wanted.items():
+            name, start, end = _parse_split(spec)
+            if name in files:
+                out[split] = _slice(read_file(files[name], cfg), start, end)
+            elif split == "train":
+                raise PrepareError(
+                    f"train_split: no file named {name}.* in {cfg.source}; "
+                    f"there are {sorted(files)}"
+                )
+        return out, None
+    return _load_hub(cfg, wanted)
+
+
+def _load_hub(cfg: PrepareConfig, wanted: dict[str, str]):
+    import datasets
+
+    out, names = {}, None
+    for split, spec in wanted.items():
+        try:
+            ds = datasets.load_dataset(cfg.source, revision=cfg.revision, split=spec)
+        except ValueError as err:
+            if split != "train" and "Unknown split" in str(err):
+                continue  # carved out of train below
+            raise PrepareError(f"{split}_split: {spec!r}: {err}") from err
+        except Exception as err:  # hub/network errors come in many types
+            raise PrepareError(
+                f"source: cannot load hub dataset {cfg.source!r} ({type(err).__name__}: {err}). "
+                "Without network access, pass a local file or folder (csv, tsv, json, jsonl, "
+                "parquet) as source."
+            ) from err
+        feature = ds.features.get(cfg.label_column)
+        if getattr(feature, "names", None):
+            names = list(feature.names)
+        out[split] = ds.to_pandas()
+    return out, names
+
+
+def _check_columns(frames: dict[str, pd.DataFrame], cfg: PrepareConfig) -> None:
+    for split, df in frames.items():
+        for setting, col in (("text_column", cfg.text_column), ("label_column", cfg.label_column)):
+            if col not in df.columns:
+                raise PrepareError(
+                    f"{setting}: column {col!r} is not in the {split} data; "
+                    f"its columns are {list(df.columns)}"
+                )
+
+
+def build_label_mapping(
+    raw: pd.Series, cfg: PrepareConfig, class_names: list[str] | None
+) -> tuple[dict[str, int], list[str]]:
+    """Raw label (as text) → id, and the label names by id."""
+    values = sorted({str(v) for v in raw})
+    if cfg.label_mapping != "auto":
+        try:
+            mapping = {str(k): int(v) for k, v in json.loads(cfg.label_mapping).items()}
+        except (json.JSONDecodeError, AttributeError, TypeError, ValueError) as err:
+            raise PrepareError(
+                f"label_mapping: must be 'auto' or a JSON object of raw label to id, got "
+                f"{cfg.label_mapping!r}"
+            ) from err
+        unknown = [v for v in values if v not in mapping]
+        if unknown:
+            raise PrepareError(f"label_mapping: labels {unknown[:10]} have no id in the mapping")
+        names = [None] * (max(mapping.values()) + 1)
+        for k, v in sorted(mapping.items(), key=lambda kv: kv[1]):
+            names[v] = names[v] or k
+        return mapping, [n if n is not None else str(i) for i, n in enumerate(names)]
+    if all(re.fullmatch(r"-?\d+(\.0+)?", v) for v in values):
+        ints = sorted({int(float(v)) for v in values})
+        if ints[0] < 0:
+            raise PrepareError(f"label_column: negative labels {ints[:5]}")
+        # 1-based classes (stars 1..5) become 0-based; 0-based stay.
+        offset = 1 if ints[0] == 1 and class_names is None else 0
+        top = ints[-1] - offset
+        mapping = {v: int(float(v)) - offset for v in values}
+        if class_names is not None:
+            names = class_names
+        else:
+            names = [str(i + offset) for i in range(top + 1)]
+        return mapping, names
+    return {v: i for i, v in enumerate(values)}, values
+
+
+def _clean(df: pd.DataFrame, cfg: PrepareConfig, dropped: dict) -> pd.DataFrame:
+    text = df[cfg.text_column].fillna("").astype(str)
+    if cfg.unescape_newlines:
+        text = text.str.replace("\\n", "\n", regex=False)
+    missing = df[cfg.label_column].isna() | (df[cfg.label_column].astype(str).str.strip() == "")
+    if missing.any():
+        raise PrepareError(
+            f"label_column: {int(missing.sum())} rows have no label (first at row "
+            f"{int(np.flatnonzero(missing.to_numpy())[0])})"
+        )
+    out = pd.DataFrame({"text": text.str.strip(), "raw_label": df[cfg.label_column].astype(str)})
+    empty = out["text"] == ""
+    dropped["empty_text"] = dropped.get("empty_text", 0) + int(empty.sum())
+    out = out[~empty]
+    if cfg.deduplicate:
+        dup = out.duplicated("text")
+        dropped["duplicate_text"] = dropped.get("duplicate_text", 0) + int(dup.sum())
+        out = out[~dup]
+    return out.reset_index(drop=True)
+
+
+def stratified_split(
+    labels: np.ndarray, fraction: float, rng: np.random.Generator
+) -> tuple[np.ndarray, np.ndarray]:
+    """Indices (kept, carved) with `fraction` of every class carved out, at least one each."""
+    carved = []
+    for c in np.unique(labels):
+        idx = np.flatnonzero(labels == c)
+        rng.shuffle(idx)
+        k = round(len(idx) * fraction) if len(idx) > 1 else 0
+        carved.append(idx[: max(k, 1 if len(idx) > 1 else 0)])
+    carved_idx = np.sort(np.concatenate(carved))
+    kept = np.setdiff1d(np.arange(len(labels)), carved_idx)
+    return kept, carved_idx
+
+
+def stratified_cap(labels: np.ndarray, cap: int, rng: np.random.Generator) -> np.ndarray:
+    """Sorted indices of at most `cap` rows, keeping the class proportions."""
+    if cap <= 0 or cap >= len(labels):
+        return np.arange(len(labels))
+    _, carved = stratified_split(labels, cap / len(labels), rng)
+    if len(carved) > cap:
+        carved = np.sort(rng.choice(carved, size=cap, replace=False))
+    return carved
+
+
+def load_tokenizer(name: str, max_length: int):
+    """A `tokenizers.Tokenizer` set to truncate at `max_length` and not to pad."""
+    from tokenizers import Tokenizer
+
+    path = Path(name).expanduser()
+    if (path / "tokenizer.json").is_file():
+        tok = Tokenizer.from_file(str(path / "tokenizer.json"))
+        config_file = path / "config.json"
+        positions = (
+            json.loads(config_file.read_text()).get("max_position_embeddings")
+            if config_file.is_file()
+            else None
+        )
+    else:
+        from transformers import AutoConfig, AutoTokenizer
+
+        try:
+            tok = AutoTokenizer.from_pretrained(name, use_fast=True).backend_tokenizer
+            positions = getattr(AutoConfig.from_pretrained(name), "max_position_embeddings", None)
+        except Exception as err:  # hub/network errors come in many types
+            raise PrepareError(
+                f"tokenizer: {name!r} is neither a folder with tokenizer.json nor a reachable "
+                f"hub id ({type(err).__name__}: {err})"
+            ) from err
+    if positions is not None and max_length > positions:
+        raise PrepareError(
+            f"max_length: {max_length} exceeds the model's {positions} positions "
+            "(max_position_embeddings)"
+        )
+    tok.no_padding()
+    # One token more than kept, so truncation is detected without encoding twice.
+    tok.enable_truncation(max_length + 1)
+    return tok
+
+
+def tokenize(texts: list[str], tok, max_length: int, progress: bool = False):
+    """Token ids of `texts` as (flat int32 values, int64 offsets, truncated bool mask)."""
+    from tqdm.auto import tqdm
+
+    encode = getattr(tok, "encode_batch_fast", tok.encode_batch)
+    chunks = range(0, len(texts), _CHUNK)
+    id_lists: list[list[int]] = []
+    for start in tqdm(chunks, desc="tokenize", unit="chunk", disable=not progress):
+        id_lists.extend(e.ids for e in encode(texts[start : start + _CHUNK]))
+    lengths = np.fromiter((len(x) for x in id_lists), dtype=np.int64, count=len(id_lists))
+    values = np.fromiter(
+        itertools.chain.from_iterable(id_lists), dtype=np.int32, count=int(lengths.sum())
+    )
+    offsets = np.zeros(len(lengths) + 1, dtype=np.int64)
+    np.cumsum(lengths, out=offsets[1:])
+    truncated = lengths > max_length
+    if truncated.any():
+        # Truncating at L+1 and dropping the last content token (just before the closing
+        # special token) equals truncating at L.
+        keep = np.ones(len(values), dtype=bool)
+        keep[offsets[:-1][truncated] + max_length - 1] = False
+        values = values[keep]
+        lengths = np.minimum(lengths, max_length)
+        np.cumsum(lengths, out=offsets[1:])
+    return values, offsets, truncated
+
+
+def _arrow_table(values, offsets, labels, texts):
+    import pyarrow as pa
+
+    lengths = np.diff(offsets).astype(np.int32)
+    cols = {
+        "input_ids": pa.ListArray.from_arrays(pa.array(offsets.astype(np.int32)), pa.array(values)),
+        "attention_mask": pa.ListArray.from_arrays(
+            pa.array(offsets.astype(np.int32)), pa.array(np.ones(len(values), dtype=np.int8))
+        ),
+        "label": pa.array(labels.astype(np.int64)),
+        "length": pa.array(lengths),
+    }
+    if texts is not None:
+        cols["text"] = pa.array(texts, type=pa.string())
+    return pa.table(cols)
+
+
+def prepare_yelp(cfg: PrepareConfig, out_dir: str | Path, progress: bool = True) -> dict:
+    """Read, clean, split and tokenize; write the dataset folder; return its metadata.
+
+    The folder appears only when complete: it is built beside `out_dir` and renamed into place.
+    """
+    import datasets
+
+    out_dir = Path(out_dir)
+    tok = load_tokenizer(cfg.tokenizer, cfg.max_length)
+    frames, class_names = load_source(cfg)
+    _check_columns(frames, cfg)
+    dropped: dict[str, int] = {}
+    cleaned = {split: _clean(df, cfg, dropped) for split, df in frames.items()}
+    raw = pd.concat([df["raw_label"] for df in cleaned.values()])
+    mapping, label_names = build_label_mapping(raw, cfg, class_names)
+    num_labels = cfg.num_labels or len(label_names)
+    for split, df in cleaned.items():
+        ids = df["raw_label"].map(mapping).to_numpy(dtype=np.int64)
+        bad = (ids < 0) | (ids >= num_labels)
+        if bad.any():
+            raise PrepareError(
+                f"num_labels: {split} has labels outside 0..{num_labels - 1} "
+                f"(raw {sorted(set(df['raw_label'][bad]))[:5]})"
+            )
+        df["label"] = ids
+    if len(label_names) < num_labels:
+        label_names += [str(i) for i in range(len(label_names), num_labels)]
+
+    rng = np.random.default_rng(cfg.seed)
+    if "all" in cleaned:
+        df = cleaned.pop("all")
+        keep, test = stratified_split(df["label"].to_numpy(), cfg.test_fraction, rng)
+        cleaned["train"], cleaned["test"] = df.iloc[keep], df.iloc[test]
+    if "validation" not in cleaned:
+        df = cleaned["train"]
+        keep, val = stratified_split(df["label"].to_numpy(), cfg.validation_fraction, rng)
+        cleaned["train"], cleaned["validation"] = df.iloc[keep], df.iloc[val]
+    if "test" not in cleaned:
+        df = cleaned["train"]
+        keep, test = stratified_split(df["label"].to_numpy(), cfg.test_fraction, rng)
+        cleaned["train"], cleaned["test"] = df.iloc[keep], df.iloc[test]
+    caps = {
+        "train": cfg.max_train_samples,
+        "validation": cfg.max_validation_samples,
+        "test": cfg.max_test_samples,
+    }
+    for split in SPLITS:
+        df = cleaned[split]
+        df = df.iloc[stratified_cap(df["label"].to_numpy(), caps[split], rng)]
+        if len(df) == 0:
+            raise PrepareError(
+                f"source: nothing is left of the {split} split after cleaning "
+                f"(dropped: {dropped or 'none'})"
+            )
+        cleaned[split] = df.reset_index(drop=True)
+
+    tables, stats = {}, {}
+    for split in SPLITS:
+        df = cleaned[split]
+        texts = df["text"].tolist()
+        values, offsets, truncated = tokenize(texts, tok, cfg.max_length, progress)
+        labels = df["label"].to_numpy()
+        tables[split] = _arrow_table(values, offsets, labels, texts if split == "test" else None)
+        lengths = np.diff(offsets)
+        stats[split] = {
+            "rows": len(df),
+            "class_counts": np.bincount(labels, minlength=num_labels).tolist(),
+            "length_mean": float(lengths.mean()),
+            "length_percentiles": {f"p{q}": float(np.percentile(lengths, q)) for q in (50, 90, 99)},
+            "length_max": int(lengths.max()),
+            "truncation_rate": float(truncated.mean()),
+            "length_histogram": np.histogram(lengths, bins=32, range=(0, cfg.max_length))[
+                0
+            ].tolist(),
+        }
+
+    metadata = {
+        "format": "kubejax.tokenized.v1",
+        "num_labels": num_labels,
+        "label_names": label_names,
+        "label_mapping": mapping,
+        "splits": stats,
+        "dropped": dropped,
+        "tokenizer": cfg.tokenizer,
+        "max_length": cfg.max_length,
+        "source": cfg.source,
+        "revision": cfg.revision,
+        "config": asdict(cfg),
+    }
+    out_dir.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.", dir=out_dir.parent))
+    try:
+        dd = datasets.DatasetDict(
+            {s: datasets.Dataset(datasets.table.InMemoryTable(t)) for s, t in tables.items()}
+        )
+        if not progress:
+            datasets.disable_progress_bars()
+        dd.save_to_disk(str(tmp))
+        (tmp / METADATA_FILE).write_text(json.dumps(metadata, indent=1))
+        if out_dir.exists():
+            if any(out_dir.iterdir()):
+                raise PrepareError(f"output: {out_dir} exists and is not empty")
+            out_dir.rmdir()
+        os.replace(tmp, out_dir)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    return metadata
+
+
+def write_report(metadata: dict, path: str | Path) -> None:
+    """An HTML report of the dataset: rows, class balance and token-length histograms."""
+    names = metadata["label_names"]
+    sections = []
+    rows = []
+    for split, s in metadata["splits"].items():
+        rows.append(
+            {
+                "split": split,
+                "rows": s["rows"],
+                "mean tokens": s["length_mean"],
+                **{k: v for k, v in s["length_percentiles"].items()},
+                "truncated": s["truncation_rate"],
+            }
+        )
+    sections.append(
+        f"<p>Source <code>{metadata['source']}</code>, tokenizer <code>{metadata['tokenizer']}"
+        f"</code>, max_length {metadata['max_length']}. Dropped: {metadata['dropped'] or 'none'}."
+        "</p>"
+    )
+    sections.append(report.table(rows))
+    for split, s in metadata["splits"].items():
+        sections.append(report.bar_chart(f"Class balance: {split}", names, s["class_counts"]))
+    bins = len(metadata["splits"]["train"]["length_histogram"])
+    width = metadata["max_length"] / bins
+    sections.append(
+        report.bar_chart(
+            "Token lengths: train",
+            [f"{int(i * width)}" for i in range(bins)],
+            metadata["splits"]["train"]["length_histogram"],
+        )
+    )
+    Path(path).write_text(report.page("Dataset report", sections))

@@ -1,0 +1,219 @@
+"""A small tracking interface, with MLflow and no-op implementations.
+
+Nothing else in kubejax imports mlflow for tracking: the trainer, evaluation and the sweep take
+a `Tracker`. Step metrics are buffered and sent by a background thread in batches
+(`MlflowClient.log_batch`), so a training step never waits on the tracking server.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import queue
+import threading
+import time
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+log = logging.getLogger(__name__)
+
+#: Metrics buffered before a batch is sent (MLflow accepts up to 1000 per log_batch).
+BATCH_SIZE = 500
+#: A partial batch is sent after this many seconds.
+FLUSH_SECONDS = 5.0
+#: MLflow truncates longer parameter values.
+_MAX_PARAM = 6000
+
+
+class TrackingError(RuntimeError):
+    """The tracking server cannot be used."""
+
+
+class Tracker:
+    """The no-op tracker; also the interface every tracker implements."""
+
+    run_id: str | None = None
+    tracking_uri: str | None = None
+
+    def log_params(self, params: Mapping[str, Any]) -> None:
+        """Record hyperparameters (once per run)."""
+
+    def log_metrics(self, metrics: Mapping[str, float], step: int | None = None) -> None:
+        """Record metric values at a step."""
+
+    def log_summary(self, summary: Mapping[str, float]) -> None:
+        """Record final figures."""
+
+    def set_tags(self, tags: Mapping[str, str]) -> None:
+        """Attach tags to the run."""
+
+    def log_artifact(self, path: str | Path, artifact_path: str | None = None) -> None:
+        """Upload a file or folder."""
+
+    def finish(self, status: str = "FINISHED") -> None:
+        """Flush everything and end the run (FINISHED, FAILED or KILLED)."""
+
+
+NoopTracker = Tracker
+
+
+def _flatten(d: Mapping[str, Any], prefix: str = "") -> dict[str, str]:
+    out = {}
+    for k, v in d.items():
+        key = f"{prefix}{k}"
+        if isinstance(v, Mapping):
+            out.update(_flatten(v, key + "."))
+        else:
+            out[key] = str(v)[:_MAX_PARAM]
+    return out
+
+
+class MlflowTracker(Tracker):
+    """Logs to one MLflow run, created here or resumed by id."""
+
+    def __init__(
+        self,
+        tracking_uri: str,
+        experiment: str,
+        *,
+        run_name: str | None = None,
+        run_id: str | None = None,
+        parent_run_id: str | None = None,
+        tags: Mapping[str, str] | None = None,
+    ):
+        from mlflow.tracking import MlflowClient
+
+        self.tracking_uri = tracking_uri
+        self.client = MlflowClient(tracking_uri)
+        try:
+            if run_id:
+                self.run_id = self.client.get_run(run_id).info.run_id
+                self.client.update_run(run_id, status="RUNNING")
+            else:
+                exp = self.client.get_experiment_by_name(experiment)
+                exp_id = exp.experiment_id if exp else self.client.create_experiment(experiment)
+                all_tags = dict(tags or {})
+                if parent_run_id:
+                    all_tags["mlflow.parentRunId"] = parent_run_id
+                if run_name:
+                    all_tags["mlflow.runName"] = run_name
+                self.run_id = self.client.create_run(exp_id, tags=all_tags).info.run_id
+        except Exception as err:  # mlflow raises many types for an unreachable server
+            raise TrackingError(
+                f"mlflow_tracking_uri: cannot use the MLflow tracking server at {tracking_uri!r} "
+                f"({type(err).__name__}: {err})"
+            ) from err
+        if run_id and tags:
+            self.set_tags(tags)
+        self._queue: queue.Queue = queue.Queue()
+        self._thread = threading.Thread(target=self._send_loop, name="mlflow-batch", daemon=True)
+        self._thread.start()
+        self._errors: list[str] = []
+
+    def _send_loop(self) -> None:
+        from mlflow.entities import Metric
+
+        pending: list = []
+        deadline = time.monotonic() + FLUSH_SECONDS
+        done = False
+        while not done:
+            try:
+                item = self._queue.get(timeout=max(0.01, deadline - time.monotonic()))
+                if item is None:
+                    done = True
+                else:
+                    pending.extend(Metric(k, v, ts, st) for k, v, ts, st in item)
+            except queue.Empty:
+                pass
+            if pending and (done or len(pending) >= BATCH_SIZE or time.monotonic() >= deadline):
+                for start in range(0, len(pending), 1000):
+                    try:
+                        self.client.log_batch(self.run_id, metrics=pending[start : start + 1000])
+                    except Exception as err:  # keep training; report at finish
+                        self._errors.append(f"{type(err).__name__}: {err}")
+                pending = []
+            if time.monotonic() >= deadline:
+                deadline = time.monotonic() + FLUSH_SECONDS
+
+    def log_params(self, params: Mapping[str, Any]) -> None:
+        from mlflow.entities import Param
+
+        flat = [Param(k, v) for k, v in _flatten(params).items()]
+        for start in range(0, len(flat), 100):
+            self.client.log_batch(self.run_id, params=flat[start : start + 100])
+
+    def log_metrics(self, metrics: Mapping[str, float], step: int | None = None) -> None:
+        ts = int(time.time() * 1000)
+        self._queue.put([(k, float(v), ts, step or 0) for k, v in metrics.items()])
+
+    def log_summary(self, summary: Mapping[str, float]) -> None:
+        self.log_metrics({k: v for k, v in summary.items() if isinstance(v, int | float)})
+
+    def set_tags(self, tags: Mapping[str, str]) -> None:
+        for k, v in tags.items():
+            self.client.set_tag(self.run_id, k, str(v))
+
+    def log_artifact(self, path: str | Path, artifact_path: str | None = None) -> None:
+        path = Path(path)
+        if path.is_dir():
+            self.client.log_artifacts(self.run_id, str(path), artifact_path)
+        else:
+            self.client.log_artifact(self.run_id, str(path), artifact_path)
+
+    def flush(self) -> None:
+        """Send everything buffered so far and wait for it."""
+        self._queue.put(None)
+        self._thread.join()
+        self._queue = queue.Queue()
+        self._thread = threading.Thread(target=self._send_loop, name="mlflow-batch", daemon=True)
+        self._thread.start()
+
+    def finish(self, status: str = "FINISHED") -> None:
+        self._queue.put(None)
+        self._thread.join()
+        if self._errors:
+            log.warning("MLflow: %d metric batches failed: %s", len(self._errors), self._errors[0])
+        self.client.set_terminated(self.run_id, status=status)
+
+
+def local_tracking_uri(workdir: str | Path) -> str:
+    """The embedded default: an sqlite store in `workdir`."""
+    path = Path(workdir).resolve() / "mlflow.db"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    return f"sqlite:///{path}"
+
+
+def create_tracker(
+    tracking_uri: str | None,
+    experiment: str,
+    *,
+    enabled: bool = True,
+    **kwargs,
+) -> Tracker:
+    """An MlflowTracker when a URI is given (or $MLFLOW_TRACKING_URI is set), else a no-op."""
+    uri = tracking_uri or os.environ.get("MLFLOW_TRACKING_URI", "")
+    if not enabled or not uri:
+        return Tracker()
+    return MlflowTracker(uri, experiment, **kwargs)
+
+
+def kfp_tags(extra: Mapping[str, str] | None = None) -> dict[str, str]:
+    """Tags that link an MLflow run to its KFP run and task, from the pod's environment."""
+    tags = {}
+    for env, tag in (
+        ("KFP_RUN_ID", "kfp.run_id"),
+        ("KFP_RUN_NAME", "kfp.run_name"),
+        ("KFP_TASK_NAME", "kfp.task_name"),
+        ("KFP_POD_NAME", "kfp.pod_name"),
+    ):
+        if os.environ.get(env):
+            tags[tag] = os.environ[env]
+    tags.update(extra or {})
+    return tags
+
+
+def parse_tags(text: str) -> dict[str, str]:
+    """A JSON object of tags; empty text gives none."""
+    return {str(k): str(v) for k, v in json.loads(text).items()} if text else {}

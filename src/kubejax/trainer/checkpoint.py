@@ -1,0 +1,56 @@
+"""Orbax checkpoints in `<output_dir>/checkpoints`.
+
+Restore order: the latest complete checkpoint of this output folder, else a fresh start.
+Orbax writes each step to a temporary folder and renames it when complete, so a worker killed
+mid-save leaves no checkpoint that looks valid.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import jax
+import orbax.checkpoint as ocp
+
+
+class Checkpointer:
+    """Save and restore (params, optimizer state) plus JSON metadata, on every process."""
+
+    def __init__(self, output_dir: str | Path, keep: int):
+        self.directory = Path(output_dir).resolve() / "checkpoints"
+        self.manager = ocp.CheckpointManager(
+            self.directory,
+            options=ocp.CheckpointManagerOptions(max_to_keep=keep, create=True),
+        )
+
+    def latest_step(self) -> int | None:
+        """The step of the newest complete checkpoint, if any."""
+        return self.manager.latest_step()
+
+    def save(self, step: int, state: dict, meta: dict) -> None:
+        """Start saving `state` at `step` (asynchronously; `wait` before exit)."""
+        self.manager.save(
+            step,
+            args=ocp.args.Composite(
+                state=ocp.args.StandardSave(state), meta=ocp.args.JsonSave(meta)
+            ),
+            force=True,
+        )
+
+    def restore(self, step: int, like: dict) -> tuple[dict, dict]:
+        """Restore (state, meta) at `step` into the structure and shardings of `like`."""
+        abstract = jax.tree.map(ocp.utils.to_shape_dtype_struct, like)
+        out = self.manager.restore(
+            step,
+            args=ocp.args.Composite(
+                state=ocp.args.StandardRestore(abstract), meta=ocp.args.JsonRestore()
+            ),
+        )
+        return out["state"], out["meta"]
+
+    def wait(self) -> None:
+        """Block until pending saves are complete."""
+        self.manager.wait_until_finished()
+
+    def close(self) -> None:
+        self.manager.close()

@@ -1,0 +1,173 @@
+"""The trainer's one typed config: every field documented, validated once at start."""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import os
+import types
+import typing
+from dataclasses import dataclass, field
+from pathlib import Path
+
+SCHEDULES = ("linear", "cosine", "constant")
+DTYPES = ("float32", "bfloat16")
+
+
+class ConfigError(ValueError):
+    """A bad trainer setting; the message starts with the setting's name."""
+
+
+def _f(default, help: str, **kw):
+    return field(default=default, metadata={"help": help, **kw})
+
+
+@dataclass
+class TrainConfig:
+    """Settings of one training run (a JAXJob's workers all get the same)."""
+
+    model: str = _f(
+        "", "HF hub id or local HF folder to fine-tune, or 'scratch' (see scratch_config)"
+    )
+    scratch_config: str = _f(
+        "", "JSON BertConfig fields for model='scratch', e.g. '{\"hidden_size\": 64}'"
+    )
+    tokenizer: str = _f(
+        "", "tokenizer folder or hub id; default: the model's (for 'scratch': required)"
+    )
+    data_dir: str = _f("", "prepared dataset folder (kubejax prepare)")
+    output_dir: str = _f("", "checkpoints, metrics.json and the final model/ go here")
+    num_labels: int = _f(0, "number of classes; 0 = from the dataset's metadata")
+    epochs: float = _f(1.0, "passes over the training split (ignored when max_steps > 0)")
+    max_steps: int = _f(0, "optimizer steps in all; 0 = from epochs")
+    global_batch_size: int = _f(32, "examples per optimizer step, over all processes")
+    grad_accum_steps: int = _f(1, "micro-batches per optimizer step (global batch split evenly)")
+    learning_rate: float = _f(5e-5, "peak learning rate")
+    warmup_ratio: float = _f(0.1, "share of steps with linear warmup from 0")
+    weight_decay: float = _f(0.01, "AdamW decoupled weight decay (not on biases and LayerNorm)")
+    schedule: str = _f("linear", "decay after warmup: linear, cosine or constant")
+    max_grad_norm: float = _f(1.0, "clip gradients to this global norm; 0 = no clipping")
+    dropout: float | None = _f(None, "hidden and attention dropout; default: the model config's")
+    seed: int = _f(0, "seed of initialisation, data order and dropout")
+    dtype: str = _f("float32", "compute dtype: float32 or bfloat16 (parameters stay float32)")
+    max_length: int = _f(512, "longest padded sequence fed to the model")
+    bucket_multiple: int = _f(32, "padded lengths are multiples of this (bounds compiled shapes)")
+    eval_every: int = _f(0, "evaluate on validation every N steps; 0 = at the end only")
+    eval_batch_size: int = _f(64, "examples per evaluation batch, over all processes")
+    max_eval_examples: int = _f(0, "cap on validation examples per evaluation; 0 = all")
+    checkpoint_every: int = _f(0, "save an Orbax checkpoint every N steps; 0 = at the end only")
+    keep_checkpoints: int = _f(2, "checkpoints kept in output_dir/checkpoints")
+    log_every: int = _f(10, "log step metrics and print progress every N steps")
+    mlflow_tracking_uri: str = _f(
+        "", "MLflow tracking URI; default: $MLFLOW_TRACKING_URI; none: no tracking"
+    )
+    mlflow_experiment: str = _f("kubejax", "MLflow experiment name")
+    mlflow_run_name: str = _f("", "MLflow run name")
+    mlflow_run_id: str = _f("", "log into this existing MLflow run instead of creating one")
+    mlflow_parent_run_id: str = _f("", "create the run nested under this one (sweep trials)")
+    mlflow_tags: str = _f("", "JSON object of extra MLflow tags (KFP run id, task, job name)")
+
+    def validate(self) -> TrainConfig:
+        """Check every field once; raise ConfigError naming the first bad one."""
+        if not self.model:
+            raise ConfigError("model: required (hub id, local folder or 'scratch')")
+        if self.model == "scratch":
+            if not self.tokenizer:
+                raise ConfigError("tokenizer: required when model is 'scratch'")
+            try:
+                json.loads(self.scratch_config or "{}")
+            except json.JSONDecodeError as err:
+                raise ConfigError(f"scratch_config: not valid JSON ({err})") from err
+        elif (self.model.startswith((".", "/", "~")) or self.model.count("/") > 1) and not Path(
+            self.model
+        ).expanduser().is_dir():
+            raise ConfigError(f"model: {self.model!r} is not a folder")
+        if not self.data_dir:
+            raise ConfigError("data_dir: required")
+        if not Path(self.data_dir).is_dir():
+            raise ConfigError(f"data_dir: {self.data_dir!r} does not exist")
+        if not self.output_dir:
+            raise ConfigError("output_dir: required")
+        if self.dtype not in DTYPES:
+            raise ConfigError(f"dtype: {self.dtype!r} is not one of {', '.join(DTYPES)}")
+        if self.schedule not in SCHEDULES:
+            raise ConfigError(f"schedule: {self.schedule!r} is not one of {', '.join(SCHEDULES)}")
+        positive = ("global_batch_size", "grad_accum_steps", "eval_batch_size", "log_every")
+        for name in (*positive, "bucket_multiple", "keep_checkpoints", "max_length"):
+            if getattr(self, name) < 1:
+                raise ConfigError(f"{name}: must be at least 1, got {getattr(self, name)}")
+        for name in ("max_steps", "eval_every", "checkpoint_every", "num_labels"):
+            if getattr(self, name) < 0:
+                raise ConfigError(f"{name}: must be 0 or more, got {getattr(self, name)}")
+        if self.max_steps == 0 and self.epochs <= 0:
+            raise ConfigError(f"epochs: must be positive when max_steps is 0, got {self.epochs}")
+        if self.global_batch_size % self.grad_accum_steps:
+            raise ConfigError(
+                f"global_batch_size: {self.global_batch_size} is not divisible by "
+                f"grad_accum_steps {self.grad_accum_steps}"
+            )
+        if not 0.0 <= self.warmup_ratio < 1.0:
+            raise ConfigError(f"warmup_ratio: must be in [0, 1), got {self.warmup_ratio}")
+        if self.learning_rate <= 0:
+            raise ConfigError(f"learning_rate: must be positive, got {self.learning_rate}")
+        if self.weight_decay < 0 or self.max_grad_norm < 0:
+            raise ConfigError("weight_decay/max_grad_norm: must be 0 or more")
+        if self.dropout is not None and not 0.0 <= self.dropout < 1.0:
+            raise ConfigError(f"dropout: must be in [0, 1), got {self.dropout}")
+        if self.mlflow_tags:
+            try:
+                tags = json.loads(self.mlflow_tags)
+            except json.JSONDecodeError as err:
+                raise ConfigError(f"mlflow_tags: not valid JSON ({err})") from err
+            if not isinstance(tags, dict):
+                raise ConfigError("mlflow_tags: must be a JSON object")
+        return self
+
+    def check_process_count(self, devices: int) -> None:
+        """The global batch must split evenly over micro-batches and devices."""
+        micro = self.global_batch_size // self.grad_accum_steps
+        if micro % devices:
+            raise ConfigError(
+                f"global_batch_size: {self.global_batch_size} (micro-batch {micro}) is not "
+                f"divisible by the {devices} devices of this job (processes × local devices)"
+            )
+        if self.eval_batch_size % devices:
+            raise ConfigError(
+                f"eval_batch_size: {self.eval_batch_size} is not divisible by the {devices} devices"
+            )
+
+    @property
+    def tracking_uri(self) -> str:
+        """The MLflow tracking URI in effect ('' = no tracking)."""
+        return self.mlflow_tracking_uri or os.environ.get("MLFLOW_TRACKING_URI", "")
+
+    def to_dict(self) -> dict:
+        return dataclasses.asdict(self)
+
+
+def _base_type(tp):
+    if isinstance(tp, types.UnionType) or typing.get_origin(tp) is typing.Union:
+        return next(a for a in typing.get_args(tp) if a is not type(None))
+    return tp
+
+
+def parser(prog: str = "python -m kubejax.trainer") -> argparse.ArgumentParser:
+    """An argparse parser with one --flag per TrainConfig field."""
+    p = argparse.ArgumentParser(prog=prog, description="Fine-tune a BERT classifier with JAX.")
+    hints = typing.get_type_hints(TrainConfig)
+    for f in dataclasses.fields(TrainConfig):
+        tp = _base_type(hints[f.name])
+        p.add_argument(
+            "--" + f.name.replace("_", "-"),
+            dest=f.name,
+            type=tp,
+            default=f.default,
+            help=f.metadata["help"] + f" (default: {f.default!r})",
+        )
+    return p
+
+
+def from_args(argv: list[str] | None = None) -> TrainConfig:
+    """Parse command-line flags into a TrainConfig (not yet validated)."""
+    return TrainConfig(**vars(parser().parse_args(argv)))

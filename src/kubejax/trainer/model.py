@@ -1,0 +1,163 @@
+"""A BERT-family encoder with a sequence-classification head, in Flax NNX.
+
+transformers 5.x ships no Flax models, so the model is ours; transformers gives the config and
+the tokenizer, and `kubejax.trainer.weights` maps Hugging Face checkpoints onto it.
+Shardings are not hard-coded here: the train step decides them.
+"""
+
+from __future__ import annotations
+
+import math
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+from transformers import BertConfig
+
+
+def _dense(n_in: int, n_out: int, cfg: BertConfig, dtype, rngs: nnx.Rngs) -> nnx.Linear:
+    return nnx.Linear(
+        n_in,
+        n_out,
+        kernel_init=nnx.initializers.normal(cfg.initializer_range),
+        dtype=dtype,
+        param_dtype=jnp.float32,
+        rngs=rngs,
+    )
+
+
+def _norm(cfg: BertConfig, dtype, rngs: nnx.Rngs) -> nnx.LayerNorm:
+    return nnx.LayerNorm(
+        cfg.hidden_size, epsilon=cfg.layer_norm_eps, dtype=dtype, param_dtype=jnp.float32, rngs=rngs
+    )
+
+
+def _activation(name: str):
+    if name == "gelu":
+        return lambda x: jax.nn.gelu(x, approximate=False)
+    if name in ("gelu_new", "gelu_pytorch_tanh"):
+        return lambda x: jax.nn.gelu(x, approximate=True)
+    if name == "relu":
+        return jax.nn.relu
+    raise ValueError(f"hidden_act: {name!r} is not supported (gelu, gelu_new, relu)")
+
+
+class Embeddings(nnx.Module):
+    """Word, position and token-type embeddings, then LayerNorm and dropout."""
+
+    def __init__(self, cfg: BertConfig, dtype, rngs: nnx.Rngs):
+        init = nnx.initializers.normal(cfg.initializer_range)
+        kw = dict(embedding_init=init, dtype=dtype, param_dtype=jnp.float32, rngs=rngs)
+        self.word = nnx.Embed(cfg.vocab_size, cfg.hidden_size, **kw)
+        self.position = nnx.Embed(cfg.max_position_embeddings, cfg.hidden_size, **kw)
+        self.token_type = nnx.Embed(cfg.type_vocab_size, cfg.hidden_size, **kw)
+        self.norm = _norm(cfg, dtype, rngs)
+        self.dropout = nnx.Dropout(cfg.hidden_dropout_prob)
+
+    def __call__(self, input_ids, *, deterministic: bool, rngs) -> jax.Array:
+        length = input_ids.shape[1]
+        # Single-segment classification: token type 0 everywhere.
+        x = (
+            self.word(input_ids)
+            + self.position(jnp.arange(length))[None]
+            + self.token_type(jnp.zeros((1, 1), jnp.int32))
+        )
+        return self.dropout(self.norm(x), deterministic=deterministic, rngs=rngs)
+
+
+class Layer(nnx.Module):
+    """One post-LayerNorm transformer block, as in BERT."""
+
+    def __init__(self, cfg: BertConfig, dtype, rngs: nnx.Rngs):
+        h = cfg.hidden_size
+        self.num_heads = cfg.num_attention_heads
+        self.query = _dense(h, h, cfg, dtype, rngs)
+        self.key = _dense(h, h, cfg, dtype, rngs)
+        self.value = _dense(h, h, cfg, dtype, rngs)
+        self.attn_out = _dense(h, h, cfg, dtype, rngs)
+        self.attn_norm = _norm(cfg, dtype, rngs)
+        self.intermediate = _dense(h, cfg.intermediate_size, cfg, dtype, rngs)
+        self.output = _dense(cfg.intermediate_size, h, cfg, dtype, rngs)
+        self.out_norm = _norm(cfg, dtype, rngs)
+        self.attn_dropout = nnx.Dropout(cfg.attention_probs_dropout_prob)
+        self.dropout = nnx.Dropout(cfg.hidden_dropout_prob)
+        self.act = _activation(cfg.hidden_act)
+
+    def __call__(self, x, bias, *, queries: int | None, deterministic: bool, rngs) -> jax.Array:
+        """`queries`: compute outputs for the first `queries` positions only (None: all).
+
+        Keys and values still cover every position, so the outputs for those positions are
+        exactly the full layer's.
+        """
+        b, length, h = x.shape
+        heads, head_dim = self.num_heads, h // self.num_heads
+        q_in = x if queries is None else x[:, :queries]
+        q = self.query(q_in).reshape(b, q_in.shape[1], heads, head_dim)
+        k = self.key(x).reshape(b, length, heads, head_dim)
+        v = self.value(x).reshape(b, length, heads, head_dim)
+        scores = jnp.einsum("bqhd,bkhd->bhqk", q, k) / math.sqrt(head_dim)
+        # Softmax in float32 keeps bfloat16 runs stable.
+        probs = jax.nn.softmax(scores.astype(jnp.float32) + bias, axis=-1).astype(v.dtype)
+        probs = self.attn_dropout(probs, deterministic=deterministic, rngs=rngs)
+        ctx = jnp.einsum("bhqk,bkhd->bqhd", probs, v).reshape(b, q_in.shape[1], h)
+        attn = self.dropout(self.attn_out(ctx), deterministic=deterministic, rngs=rngs)
+        x = self.attn_norm(q_in + attn)
+        ff = self.output(self.act(self.intermediate(x)))
+        ff = self.dropout(ff, deterministic=deterministic, rngs=rngs)
+        return self.out_norm(x + ff)
+
+
+class BertEncoder(nnx.Module):
+    """Embeddings and the stack of layers; returns the last hidden state."""
+
+    def __init__(self, cfg: BertConfig, dtype=jnp.float32, *, rngs: nnx.Rngs):
+        self.embeddings = Embeddings(cfg, dtype, rngs)
+        self.layers = nnx.List([Layer(cfg, dtype, rngs) for _ in range(cfg.num_hidden_layers)])
+
+    def __call__(
+        self,
+        input_ids,
+        attention_mask,
+        *,
+        cls_only: bool = False,
+        deterministic: bool = True,
+        rngs=None,
+    ) -> jax.Array:
+        """Last hidden state [batch, length, hidden]; [batch, 1, hidden] when `cls_only`.
+
+        With `cls_only` the last layer computes queries, attention output and feed-forward for
+        the [CLS] position alone, the only one a sequence classifier reads: same result, fewer
+        FLOPs.
+        """
+        x = self.embeddings(input_ids, deterministic=deterministic, rngs=rngs)
+        # Additive mask as in transformers: the dtype's minimum on padded keys.
+        bias = (1.0 - attention_mask[:, None, None, :].astype(jnp.float32)) * jnp.finfo(
+            jnp.float32
+        ).min
+        last = len(self.layers) - 1
+        for i, layer in enumerate(self.layers):
+            queries = 1 if (cls_only and i == last) else None
+            x = layer(x, bias, queries=queries, deterministic=deterministic, rngs=rngs)
+        return x
+
+
+class BertClassifier(nnx.Module):
+    """BertForSequenceClassification: encoder, tanh pooler over [CLS], dropout, linear head."""
+
+    def __init__(self, cfg: BertConfig, num_labels: int, dtype=jnp.float32, *, rngs: nnx.Rngs):
+        self.config = cfg
+        self.num_labels = num_labels
+        self.bert = BertEncoder(cfg, dtype, rngs=rngs)
+        self.pooler = _dense(cfg.hidden_size, cfg.hidden_size, cfg, dtype, rngs)
+        drop = cfg.classifier_dropout
+        self.dropout = nnx.Dropout(cfg.hidden_dropout_prob if drop is None else drop)
+        self.classifier = _dense(cfg.hidden_size, num_labels, cfg, dtype, rngs)
+
+    def __call__(self, input_ids, attention_mask, *, deterministic: bool = True, rngs=None):
+        """Logits [batch, num_labels], in float32."""
+        hidden = self.bert(
+            input_ids, attention_mask, cls_only=True, deterministic=deterministic, rngs=rngs
+        )
+        pooled = jnp.tanh(self.pooler(hidden[:, 0]))
+        pooled = self.dropout(pooled, deterministic=deterministic, rngs=rngs)
+        return self.classifier(pooled).astype(jnp.float32)

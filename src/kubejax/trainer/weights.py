@@ -1,0 +1,201 @@
+"""Hugging Face checkpoints in and out of `BertClassifier`.
+
+A checkpoint folder holds `config.json` and `model.safetensors` (or `pytorch_model.bin`), with
+or without the `bert.` prefix, the pooler optional. The model folder the trainer writes is such
+a checkpoint too (BertForSequenceClassification names), plus tokenizer files and `labels.json`,
+so transformers can load it as well.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterator
+from pathlib import Path
+
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+from transformers import BertConfig
+
+from kubejax.trainer.model import BertClassifier
+
+SAFETENSORS = "model.safetensors"
+PYTORCH_BIN = "pytorch_model.bin"
+LABELS_FILE = "labels.json"
+TOKENIZER_FILES = (
+    "tokenizer.json",
+    "tokenizer_config.json",
+    "vocab.txt",
+    "special_tokens_map.json",
+)
+
+
+def resolve_model_dir(model: str) -> Path:
+    """A local checkpoint folder for `model`: the folder itself, or a hub snapshot of the id."""
+    path = Path(model).expanduser()
+    if path.is_dir():
+        return path
+    if model.startswith((".", "/", "~")) or model.count("/") > 1:
+        raise FileNotFoundError(f"model: {model!r} is not a folder")
+    from huggingface_hub import snapshot_download
+
+    try:
+        return Path(
+            snapshot_download(
+                model,
+                allow_patterns=["*.json", "*.safetensors", "vocab.txt", "*.model", "*.txt"],
+            )
+        )
+    except Exception as err:  # the hub client raises many kinds; all mean "not available"
+        raise FileNotFoundError(
+            f"model: {model!r} is neither a local folder nor a reachable Hugging Face hub id "
+            f"({type(err).__name__}: {err}). Offline, pass a local checkpoint folder."
+        ) from err
+
+
+def load_config(model_dir: Path) -> BertConfig:
+    """The BertConfig of a checkpoint folder."""
+    config_file = model_dir / "config.json"
+    if not config_file.is_file():
+        raise FileNotFoundError(f"model: {model_dir} has no config.json")
+    cfg = BertConfig.from_pretrained(str(model_dir))
+    if cfg.model_type != "bert":
+        raise ValueError(f"model: model_type {cfg.model_type!r} is not supported (bert)")
+    return cfg
+
+
+def read_tensors(model_dir: Path) -> dict[str, np.ndarray]:
+    """All tensors of a checkpoint folder as float32 NumPy arrays."""
+    if (model_dir / SAFETENSORS).is_file():
+        from safetensors.numpy import load_file
+
+        return {k: v.astype(np.float32) for k, v in load_file(model_dir / SAFETENSORS).items()}
+    if (model_dir / PYTORCH_BIN).is_file():
+        try:
+            import torch
+        except ImportError as err:
+            raise RuntimeError(
+                f"model: {model_dir} has only {PYTORCH_BIN}, which needs torch to read; "
+                "install torch or convert the checkpoint to model.safetensors"
+            ) from err
+        state = torch.load(model_dir / PYTORCH_BIN, map_location="cpu", weights_only=True)
+        return {k: v.float().numpy() for k, v in state.items()}
+    raise FileNotFoundError(f"model: {model_dir} has neither {SAFETENSORS} nor {PYTORCH_BIN}")
+
+
+def _param_table(model: BertClassifier) -> Iterator[tuple[nnx.Module, str, str]]:
+    """(module, HF name without `bert.`, kind) for every weight-bearing module."""
+    emb = model.bert.embeddings
+    yield emb.word, "embeddings.word_embeddings", "embed"
+    yield emb.position, "embeddings.position_embeddings", "embed"
+    yield emb.token_type, "embeddings.token_type_embeddings", "embed"
+    yield emb.norm, "embeddings.LayerNorm", "norm"
+    for i, layer in enumerate(model.bert.layers):
+        p = f"encoder.layer.{i}."
+        yield layer.query, p + "attention.self.query", "dense"
+        yield layer.key, p + "attention.self.key", "dense"
+        yield layer.value, p + "attention.self.value", "dense"
+        yield layer.attn_out, p + "attention.output.dense", "dense"
+        yield layer.attn_norm, p + "attention.output.LayerNorm", "norm"
+        yield layer.intermediate, p + "intermediate.dense", "dense"
+        yield layer.output, p + "output.dense", "dense"
+        yield layer.out_norm, p + "output.LayerNorm", "norm"
+    yield model.pooler, "pooler.dense", "dense"
+
+
+def _norm_names(tensors: dict, name: str) -> tuple[str, str]:
+    if f"{name}.weight" in tensors:
+        return f"{name}.weight", f"{name}.bias"
+    return f"{name}.gamma", f"{name}.beta"  # old TF-converted checkpoints
+
+
+def _set(var: nnx.Variable, value: np.ndarray, name: str) -> None:
+    if tuple(var.value.shape) != tuple(value.shape):
+        raise ValueError(
+            f"model: weight {name} has shape {value.shape}, expected {tuple(var.value.shape)}"
+        )
+    var.value = jnp.asarray(value, dtype=var.value.dtype)
+
+
+def load_pretrained(model: BertClassifier, tensors: dict[str, np.ndarray]) -> list[str]:
+    """Copy HF weights into `model` in place; returns the names left at their fresh init."""
+    t = {k.removeprefix("bert."): v for k, v in tensors.items()}
+    fresh = []
+    for module, name, kind in _param_table(model):
+        if kind == "embed":
+            _set(module.embedding, t[f"{name}.weight"], name)
+        elif kind == "norm":
+            w, b = _norm_names(t, name)
+            _set(module.scale, t[w], w)
+            _set(module.bias, t[b], b)
+        elif f"{name}.weight" in t:
+            _set(module.kernel, t[f"{name}.weight"].T, name)
+            _set(module.bias, t[f"{name}.bias"], name)
+        elif name == "pooler.dense":
+            fresh.append(name)  # sentence-embedding checkpoints may lack the pooler
+        else:
+            raise KeyError(f"model: checkpoint lacks {name}.weight")
+    head = t.get("classifier.weight")
+    if head is not None and head.shape == (model.num_labels, model.config.hidden_size):
+        _set(model.classifier.kernel, head.T, "classifier.weight")
+        _set(model.classifier.bias, t["classifier.bias"], "classifier.bias")
+    else:
+        fresh.append("classifier")
+    return fresh
+
+
+def export_tensors(model: BertClassifier) -> dict[str, np.ndarray]:
+    """The model's weights under BertForSequenceClassification names."""
+    out: dict[str, np.ndarray] = {}
+    for module, name, kind in _param_table(model):
+        key = f"bert.{name}"
+        if kind == "embed":
+            out[f"{key}.weight"] = np.asarray(module.embedding.value)
+        elif kind == "norm":
+            out[f"{key}.weight"] = np.asarray(module.scale.value)
+            out[f"{key}.bias"] = np.asarray(module.bias.value)
+        else:
+            out[f"{key}.weight"] = np.ascontiguousarray(np.asarray(module.kernel.value).T)
+            out[f"{key}.bias"] = np.asarray(module.bias.value)
+    out["classifier.weight"] = np.ascontiguousarray(np.asarray(model.classifier.kernel.value).T)
+    out["classifier.bias"] = np.asarray(model.classifier.bias.value)
+    return {k: v.astype(np.float32) for k, v in out.items()}
+
+
+def save_model_dir(
+    model: BertClassifier,
+    out_dir: Path,
+    label_names: list[str],
+    tokenizer_dir: Path | None,
+) -> None:
+    """Write a self-contained model folder: config, weights, tokenizer files, label names."""
+    from safetensors.numpy import save_file
+
+    out_dir.mkdir(parents=True, exist_ok=True)
+    cfg = BertConfig.from_dict(model.config.to_dict())
+    cfg.architectures = ["BertForSequenceClassification"]
+    cfg.id2label = dict(enumerate(label_names))
+    cfg.label2id = {name: i for i, name in enumerate(label_names)}
+    cfg.save_pretrained(str(out_dir))
+    save_file(export_tensors(model), str(out_dir / SAFETENSORS), metadata={"format": "pt"})
+    if tokenizer_dir is not None:
+        for name in TOKENIZER_FILES:
+            src = tokenizer_dir / name
+            if src.is_file():
+                (out_dir / name).write_bytes(src.read_bytes())
+    (out_dir / LABELS_FILE).write_text(json.dumps(label_names, indent=1))
+
+
+def load_model_dir(model_dir: Path, dtype=jnp.float32) -> tuple[BertClassifier, list[str]]:
+    """Load a model folder written by `save_model_dir` (or any BERT classification checkpoint)."""
+    cfg = load_config(model_dir)
+    labels_file = model_dir / LABELS_FILE
+    if labels_file.is_file():
+        labels = json.loads(labels_file.read_text())
+    else:
+        labels = [cfg.id2label[i] for i in range(cfg.num_labels)]
+    model = BertClassifier(cfg, len(labels), dtype, rngs=nnx.Rngs(0))
+    fresh = load_pretrained(model, read_tensors(model_dir))
+    if fresh:
+        raise ValueError(f"model: {model_dir} is not a trained classifier (missing {fresh})")
+    return model, labels
