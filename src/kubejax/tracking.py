@@ -52,6 +52,10 @@ class Tracker:
     def log_artifact(self, path: str | Path, artifact_path: str | None = None) -> None:
         """Upload a file or folder."""
 
+    def log_pyfunc_model(self, model_dir: str | Path, input_example) -> str:
+        """Log a model folder as a pyfunc model of this run; returns its URI ('' if none)."""
+        return ""
+
     def finish(self, status: str = "FINISHED") -> None:
         """Flush everything and end the run (FINISHED, FAILED or KILLED)."""
 
@@ -162,6 +166,29 @@ class MlflowTracker(Tracker):
         else:
             self.client.log_artifact(self.run_id, str(path), artifact_path)
 
+    def log_pyfunc_model(self, model_dir: str | Path, input_example) -> str:
+        import mlflow
+        from mlflow.models import infer_signature
+
+        from kubejax.mlflow_model import BertTextClassifier
+        from kubejax.version import __version__
+
+        probe = BertTextClassifier()
+        probe._load(Path(model_dir))
+        signature = infer_signature(input_example, probe.predict(None, input_example))
+        mlflow.set_tracking_uri(self.tracking_uri)
+        with mlflow.start_run(run_id=self.run_id):
+            info = mlflow.pyfunc.log_model(
+                name="model",
+                python_model=BertTextClassifier(),
+                artifacts={"model": str(model_dir)},
+                signature=signature,
+                input_example=input_example,
+                pip_requirements=[f"kubejax=={__version__}"],
+            )
+        self.client.set_tag(self.run_id, "kubejax.model_uri", info.model_uri)
+        return info.model_uri
+
     def flush(self) -> None:
         """Send everything buffered so far and wait for it."""
         self._queue.put(None)
@@ -217,3 +244,16 @@ def kfp_tags(extra: Mapping[str, str] | None = None) -> dict[str, str]:
 def parse_tags(text: str) -> dict[str, str]:
     """A JSON object of tags; empty text gives none."""
     return {str(k): str(v) for k, v in json.loads(text).items()} if text else {}
+
+
+def register_model(tracking_uri: str | None, model_uri: str, name: str) -> str:
+    """Register a logged model under `name` in the Model Registry; returns the version."""
+    import mlflow
+
+    uri = tracking_uri or os.environ.get("MLFLOW_TRACKING_URI", "")
+    if not uri:
+        raise TrackingError("mlflow_tracking_uri: required to register a model")
+    if not name:
+        raise TrackingError("model_name: required to register a model")
+    mlflow.set_tracking_uri(uri)
+    return str(mlflow.register_model(model_uri, name).version)

@@ -319,7 +319,13 @@ def train_and_evaluate(cfg: TrainConfig) -> dict:
 
     def write_metrics(status: str, step: int, final: dict | None = None) -> None:
         if is_main:
-            data = {"status": status, "step": step, "total_steps": total_steps, **history}
+            data = {
+                "status": status,
+                "step": step,
+                "total_steps": total_steps,
+                "mlflow_run_id": tracker.run_id or "",
+                **history,
+            }
             if final is not None:
                 data["final"] = final
             _write_json(out / METRICS_FILE, data)
@@ -446,7 +452,13 @@ def train_and_evaluate(cfg: TrainConfig) -> dict:
         if is_main:
             final_model = _host_params(params)
             host_model = nnx.merge(graphdef, final_model)
-            weights.save_model_dir(host_model, out / MODEL_DIR, label_names, tokenizer_dir)
+            weights.save_model_dir(
+                host_model,
+                out / MODEL_DIR,
+                label_names,
+                tokenizer_dir,
+                max_length=min(cfg.max_length, int(meta.get("max_length", cfg.max_length))),
+            )
             tracker.log_summary({f"final_{k}": v for k, v in final.items()})
         write_metrics("completed", final_step, final)
         status = "FINISHED"

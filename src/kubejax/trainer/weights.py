@@ -22,6 +22,8 @@ from kubejax.trainer.model import BertClassifier
 SAFETENSORS = "model.safetensors"
 PYTORCH_BIN = "pytorch_model.bin"
 LABELS_FILE = "labels.json"
+#: How texts were tokenized for this model (max_length), read by the pyfunc model.
+SETTINGS_FILE = "kubejax.json"
 TOKENIZER_FILES = (
     "tokenizer.json",
     "tokenizer_config.json",
@@ -167,6 +169,7 @@ def save_model_dir(
     out_dir: Path,
     label_names: list[str],
     tokenizer_dir: Path | None,
+    max_length: int = 512,
 ) -> None:
     """Write a self-contained model folder: config, weights, tokenizer files, label names."""
     from safetensors.numpy import save_file
@@ -184,6 +187,7 @@ def save_model_dir(
             if src.is_file():
                 (out_dir / name).write_bytes(src.read_bytes())
     (out_dir / LABELS_FILE).write_text(json.dumps(label_names, indent=1))
+    (out_dir / SETTINGS_FILE).write_text(json.dumps({"max_length": max_length}))
 
 
 def load_model_dir(model_dir: Path, dtype=jnp.float32) -> tuple[BertClassifier, list[str]]:

@@ -1,0 +1,138 @@
+"""The `train` component: fine-tuning as a Training Operator JAXJob."""
+
+from kfp import dsl
+from kfp.dsl import HTML, Dataset, Input, Metrics, Model, Output
+
+from kubejax.version import IMAGE
+
+PASSTHROUGHS = [
+    dsl.TaskConfigField.RESOURCES,
+    dsl.TaskConfigField.ENV,
+    dsl.TaskConfigField.KUBERNETES_VOLUMES,
+    dsl.TaskConfigField.KUBERNETES_NODE_SELECTOR,
+    dsl.TaskConfigField.KUBERNETES_TOLERATIONS,
+    dsl.TaskConfigField.KUBERNETES_AFFINITY,
+]
+
+
+@dsl.component(base_image=IMAGE, install_kfp_package=False, task_config_passthroughs=PASSTHROUGHS)
+def train(
+    dataset: Input[Dataset],
+    model: Output[Model],
+    metrics: Output[Metrics],
+    report: Output[HTML],
+    base_model: str,
+    hyperparameters: dict = {},
+    best_params: dict = {},
+    replicas: int = 1,
+    image: str = "",
+    backend: str = "auto",
+    timeout_seconds: int = 86400,
+    workspace_path: str = "",
+    mlflow_tracking_uri: str = "",
+    mlflow_experiment: str = "kubejax",
+    run_id: str = "",
+    task_config: dsl.TaskConfig = None,
+) -> str:
+    """Train a BERT-family classifier as a JAXJob with `replicas` workers.
+
+    What the pipeline sets on this task (GPU limits, env and secrets, volumes, node selector,
+    tolerations, affinity) reaches the JAXJob's worker pods through `task_config`.
+
+    Args:
+        dataset: Prepared dataset (prepare-yelp).
+        model: Output: the fine-tuned model folder (HF layout, tokenizer and labels included).
+        metrics: Output: final train and eval loss and accuracy, examples/s, tokens/s, wall time
+            and per-worker resource figures.
+        report: Output: HTML with loss, accuracy, learning-rate and throughput curves.
+        base_model: HF hub id or folder to fine-tune.
+        hyperparameters: Trainer settings (TrainConfig field → value), e.g. learning_rate.
+        best_params: Settings that override `hyperparameters` (the sweep's best params).
+        replicas: Number of JAXJob workers (processes).
+        image: Image of the worker pods; empty: the kubejax image of this version.
+        backend: `auto` (kubernetes inside a cluster, else local), `kubernetes` or `local`.
+        timeout_seconds: The job's activeDeadlineSeconds and the launcher's wait.
+        workspace_path: The pipeline workspace (dsl.WORKSPACE_PATH_PLACEHOLDER); required on
+            kubernetes, where the worker pods read the data and write the model there.
+        mlflow_tracking_uri: MLflow tracking URI; empty uses $MLFLOW_TRACKING_URI.
+        mlflow_experiment: MLflow experiment of the training run.
+        run_id: KFP run id (dsl.PIPELINE_JOB_ID_PLACEHOLDER): names the job deterministically,
+            so a retried task re-attaches to it, and tags the MLflow run.
+        task_config: Filled by KFP from the task's settings.
+
+    Returns:
+        The MLflow run id of the training run ('' when tracking is off).
+    """
+    import os
+
+    from kubejax.launcher import log_to_stdout, train_with_jaxjob
+    from kubejax.monitoring import read_worker_summaries, training_report
+    from kubejax.version import IMAGE
+
+    hp = {**hyperparameters, **best_params, "model": base_model}
+    hp.setdefault("mlflow_experiment", mlflow_experiment)
+    result = train_with_jaxjob(
+        dataset_path=dataset.path,
+        model_path=model.path,
+        hyperparameters=hp,
+        replicas=replicas,
+        image=image or IMAGE,
+        backend=backend,
+        timeout=timeout_seconds,
+        workspace=workspace_path,
+        run_id=run_id,
+        task_name="train",
+        task_config=task_config,
+        mlflow_tracking_uri=mlflow_tracking_uri or os.environ.get("MLFLOW_TRACKING_URI", ""),
+        log=log_to_stdout,
+    )
+    resources = read_worker_summaries(result["output_dir"])
+    for key in (
+        "train_loss",
+        "train_accuracy",
+        "eval_loss",
+        "eval_accuracy",
+        "examples_per_s",
+        "tokens_per_s",
+        "wall_s",
+        "steps",
+    ):
+        metrics.log_metric(key, float(result[key]))
+    for r in resources:
+        metrics.log_metric(f"worker{r['worker']}_peak_rss_mb", round(r["peak_rss_mb"], 1))
+        metrics.log_metric(f"worker{r['worker']}_cpu_percent_mean", round(r["cpu_percent_mean"], 1))
+        metrics.log_metric(
+            f"worker{r['worker']}_examples_per_s", result["examples_per_s"] / max(len(resources), 1)
+        )
+    model.metadata.update(
+        {
+            "base_model": base_model,
+            "jaxjob": result["job_name"],
+            "mlflow_run_id": result["mlflow_run_id"],
+            "framework": "jax/flax",
+        }
+    )
+    with open(report.path, "w") as f:
+        f.write(
+            training_report(
+                {
+                    "status": "completed",
+                    "step": result["steps"],
+                    "total_steps": result["steps"],
+                    **result["history"],
+                    "final": {
+                        k: result[k]
+                        for k in (
+                            "train_loss",
+                            "eval_loss",
+                            "eval_accuracy",
+                            "examples_per_s",
+                            "wall_s",
+                        )
+                    },
+                },
+                resources,
+                title=f"Training: JAXJob {result['job_name']}",
+            )
+        )
+    return result["mlflow_run_id"]

@@ -1,0 +1,346 @@
+"""The Yelp pipelines.
+
+`yelp_pipeline`: prepare → tune sweep → train with the best params → evaluate → register the
+model when the metric clears a threshold. `train_eval_pipeline`: prepare → train → evaluate,
+the same components without the sweep. Defaults suit a real cluster (the hub dataset, a
+bert-base-size model, GPU workers); `kubejax run --local` overrides them for this machine.
+"""
+
+import json
+
+from kfp import dsl, kubernetes
+from kubejax.components import evaluate, prepare_yelp, register_model, train, tune_sweep
+
+from kubejax.version import IMAGE
+
+#: The Kubernetes secret with MLflow credentials (keys `username`, `password`, optional
+#: `token`); mounted as env on the steps that talk to MLflow, never a pipeline parameter.
+MLFLOW_SECRET = "mlflow-credentials"
+_SECRET_ENV = {
+    "username": "MLFLOW_TRACKING_USERNAME",
+    "password": "MLFLOW_TRACKING_PASSWORD",
+    "token": "MLFLOW_TRACKING_TOKEN",
+}
+
+DEFAULT_SPACE = json.dumps(
+    {
+        "learning_rate": {"type": "float", "low": 1e-5, "high": 1e-4, "log": True},
+        "warmup_ratio": {"type": "float", "low": 0.0, "high": 0.2},
+        "weight_decay": {"type": "float", "low": 0.0, "high": 0.1},
+    }
+)
+DEFAULT_TRIAL_HP = {
+    "max_steps": 600,
+    "eval_every": 200,
+    "global_batch_size": 32,
+    "max_eval_examples": 2000,
+    "dtype": "bfloat16",
+}
+DEFAULT_TRAIN_HP = {
+    "epochs": 2,
+    "global_batch_size": 32,
+    "learning_rate": 3e-5,
+    "eval_every": 2000,
+    "checkpoint_every": 1000,
+    "max_eval_examples": 5000,
+    "dtype": "bfloat16",
+}
+WORKSPACE = dsl.PipelineConfig(workspace=dsl.WorkspaceConfig(size="100Gi"))
+
+
+def _with_mlflow_secret(task: dsl.PipelineTask) -> dsl.PipelineTask:
+    return kubernetes.use_secret_as_env(
+        task, secret_name=MLFLOW_SECRET, secret_key_to_env=_SECRET_ENV, optional=True
+    )
+
+
+def _gpu_workers(task: dsl.PipelineTask, gpus: int) -> dsl.PipelineTask:
+    # RESOURCES is passed through (not applied to the launcher): the limit lands on the
+    # JAXJob's worker pods.
+    if gpus:
+        task.set_accelerator_type("nvidia.com/gpu").set_accelerator_limit(gpus)
+    return task
+
+
+def _prepare(
+    source,
+    tokenizer,
+    text_column,
+    label_column,
+    max_length,
+    max_train_samples,
+    max_validation_samples,
+    max_test_samples,
+    seed,
+):
+    task = prepare_yelp(
+        tokenizer=tokenizer,
+        source=source,
+        text_column=text_column,
+        label_column=label_column,
+        max_length=max_length,
+        max_train_samples=max_train_samples,
+        max_validation_samples=max_validation_samples,
+        max_test_samples=max_test_samples,
+        seed=seed,
+    )
+    task.set_display_name("prepare-yelp").set_caching_options(True)
+    task.set_cpu_limit("4").set_memory_limit("16Gi")
+    return task
+
+
+def _train(
+    dataset,
+    base_model,
+    hyperparameters,
+    best_params,
+    replicas,
+    image,
+    backend,
+    timeout_seconds,
+    mlflow_tracking_uri,
+    mlflow_experiment,
+    gpus_per_worker,
+):
+    task = train(
+        dataset=dataset,
+        base_model=base_model,
+        hyperparameters=hyperparameters,
+        best_params=best_params,
+        replicas=replicas,
+        image=image,
+        backend=backend,
+        timeout_seconds=timeout_seconds,
+        workspace_path=dsl.WORKSPACE_PATH_PLACEHOLDER,
+        mlflow_tracking_uri=mlflow_tracking_uri,
+        mlflow_experiment=mlflow_experiment,
+        run_id=dsl.PIPELINE_JOB_ID_PLACEHOLDER,
+    )
+    task.set_display_name("train").set_caching_options(False)
+    task.set_retry(num_retries=2, backoff_duration="60s")
+    _gpu_workers(task, gpus_per_worker)
+    return _with_mlflow_secret(task)
+
+
+def _evaluate(model, dataset, mlflow_run_id, mlflow_tracking_uri, mlflow_experiment):
+    task = evaluate(
+        model=model,
+        dataset=dataset,
+        mlflow_run_id=mlflow_run_id,
+        mlflow_tracking_uri=mlflow_tracking_uri,
+        mlflow_experiment=mlflow_experiment,
+    )
+    task.set_display_name("evaluate").set_caching_options(False)
+    return _with_mlflow_secret(task)
+
+
+@dsl.pipeline(
+    name="kubejax-yelp",
+    description="Yelp review stars: prepare, tune (Optuna, JAXJob trials), train (JAXJob), "
+    "evaluate, register in MLflow.",
+    pipeline_config=WORKSPACE,
+)
+def yelp_pipeline(
+    source: str = "Yelp/yelp_review_full",
+    base_model: str = "google-bert/bert-base-uncased",
+    text_column: str = "text",
+    label_column: str = "label",
+    max_length: int = 256,
+    max_train_samples: int = 0,
+    max_validation_samples: int = 10000,
+    max_test_samples: int = 0,
+    search_space: str = DEFAULT_SPACE,
+    algorithm: str = "tpe",
+    objective: str = "eval_accuracy",
+    direction: str = "maximize",
+    max_trials: int = 8,
+    parallelism: int = 2,
+    pruner: str = "median",
+    trial_hyperparameters: dict = DEFAULT_TRIAL_HP,
+    trial_replicas: int = 1,
+    train_hyperparameters: dict = DEFAULT_TRAIN_HP,
+    replicas: int = 2,
+    image: str = IMAGE,
+    backend: str = "auto",
+    timeout_seconds: int = 86400,
+    mlflow_tracking_uri: str = "",
+    mlflow_experiment: str = "kubejax-yelp",
+    register_threshold: float = 0.6,
+    registered_model_name: str = "kubejax-yelp",
+    seed: int = 0,
+):
+    """Prepare → tune sweep → train with the best params → evaluate → register.
+
+    Args:
+        source: Hub dataset id, or a file/folder/URI of reviews (csv, tsv, json, jsonl, parquet).
+        base_model: HF hub id or folder of the BERT-family model (also the tokenizer).
+        text_column: Column with the review text.
+        label_column: Column with the stars / label.
+        max_length: Token truncation length.
+        max_train_samples: Stratified cap on train rows (0: all).
+        max_validation_samples: Stratified cap on validation rows (0: all).
+        max_test_samples: Stratified cap on test rows (0: all).
+        search_space: JSON search space over trainer settings.
+        algorithm: grid, random, tpe or cmaes.
+        objective: eval_accuracy or eval_loss.
+        direction: maximize (eval_accuracy) or minimize (eval_loss).
+        max_trials: Trials in the sweep.
+        parallelism: Trials at once.
+        pruner: none, median, successive_halving or hyperband.
+        trial_hyperparameters: Fixed trainer settings of every trial.
+        trial_replicas: JAXJob workers per trial.
+        train_hyperparameters: Trainer settings of the final training (the best params win).
+        replicas: JAXJob workers of the final training.
+        image: The kubejax image of every step and worker.
+        backend: auto (kubernetes in a cluster), kubernetes or local.
+        timeout_seconds: Limit of the final training job.
+        mlflow_tracking_uri: MLflow tracking URI (credentials come from the secret).
+        mlflow_experiment: MLflow experiment of this pipeline's runs.
+        register_threshold: Register the model when test accuracy reaches this.
+        registered_model_name: Name in the MLflow Model Registry.
+        seed: Seed of the splits and the sweep.
+    """
+    prep = _prepare(
+        source,
+        base_model,
+        text_column,
+        label_column,
+        max_length,
+        max_train_samples,
+        max_validation_samples,
+        max_test_samples,
+        seed,
+    )
+    sweep = tune_sweep(
+        dataset=prep.outputs["dataset"],
+        base_model=base_model,
+        search_space=search_space,
+        hyperparameters=trial_hyperparameters,
+        objective=objective,
+        direction=direction,
+        algorithm=algorithm,
+        max_trials=max_trials,
+        parallelism=parallelism,
+        pruner=pruner,
+        seed=seed,
+        replicas=trial_replicas,
+        image=image,
+        backend=backend,
+        workspace_path=dsl.WORKSPACE_PATH_PLACEHOLDER,
+        run_id=dsl.PIPELINE_JOB_ID_PLACEHOLDER,
+        mlflow_tracking_uri=mlflow_tracking_uri,
+        mlflow_experiment=mlflow_experiment,
+    )
+    sweep.set_display_name("tune-sweep").set_caching_options(False)
+    sweep.set_retry(num_retries=2, backoff_duration="60s")
+    _gpu_workers(sweep, 1)
+    _with_mlflow_secret(sweep)
+    trained = _train(
+        prep.outputs["dataset"],
+        base_model,
+        train_hyperparameters,
+        sweep.outputs["best_params"],
+        replicas,
+        image,
+        backend,
+        timeout_seconds,
+        mlflow_tracking_uri,
+        mlflow_experiment,
+        1,
+    )
+    evaluated = _evaluate(
+        trained.outputs["model"],
+        prep.outputs["dataset"],
+        trained.outputs["Output"],
+        mlflow_tracking_uri,
+        mlflow_experiment,
+    )
+    with dsl.If(
+        evaluated.outputs["accuracy"] >= register_threshold, name="accuracy-clears-threshold"
+    ):
+        reg = register_model(
+            model_uri=evaluated.outputs["model_uri"],
+            model_name=registered_model_name,
+            mlflow_tracking_uri=mlflow_tracking_uri,
+        )
+        reg.set_display_name("register-model").set_caching_options(False)
+        _with_mlflow_secret(reg)
+
+
+@dsl.pipeline(
+    name="kubejax-train-eval",
+    description="Prepare Yelp reviews, fine-tune as a JAXJob, evaluate; no sweep.",
+    pipeline_config=WORKSPACE,
+)
+def train_eval_pipeline(
+    source: str = "Yelp/yelp_review_full",
+    base_model: str = "google-bert/bert-base-uncased",
+    text_column: str = "text",
+    label_column: str = "label",
+    max_length: int = 256,
+    max_train_samples: int = 0,
+    max_validation_samples: int = 10000,
+    max_test_samples: int = 0,
+    train_hyperparameters: dict = DEFAULT_TRAIN_HP,
+    replicas: int = 2,
+    image: str = IMAGE,
+    backend: str = "auto",
+    timeout_seconds: int = 86400,
+    mlflow_tracking_uri: str = "",
+    mlflow_experiment: str = "kubejax-yelp",
+    seed: int = 0,
+):
+    """Prepare → train → evaluate, reusing the Yelp pipeline's components.
+
+    Args:
+        source: Hub dataset id, or a file/folder/URI of reviews.
+        base_model: HF hub id or folder of the model (also the tokenizer).
+        text_column: Column with the review text.
+        label_column: Column with the stars / label.
+        max_length: Token truncation length.
+        max_train_samples: Stratified cap on train rows (0: all).
+        max_validation_samples: Stratified cap on validation rows (0: all).
+        max_test_samples: Stratified cap on test rows (0: all).
+        train_hyperparameters: Trainer settings.
+        replicas: JAXJob workers.
+        image: The kubejax image.
+        backend: auto, kubernetes or local.
+        timeout_seconds: Limit of the training job.
+        mlflow_tracking_uri: MLflow tracking URI.
+        mlflow_experiment: MLflow experiment.
+        seed: Seed of the splits.
+    """
+    prep = _prepare(
+        source,
+        base_model,
+        text_column,
+        label_column,
+        max_length,
+        max_train_samples,
+        max_validation_samples,
+        max_test_samples,
+        seed,
+    )
+    trained = _train(
+        prep.outputs["dataset"],
+        base_model,
+        train_hyperparameters,
+        {},
+        replicas,
+        image,
+        backend,
+        timeout_seconds,
+        mlflow_tracking_uri,
+        mlflow_experiment,
+        1,
+    )
+    _evaluate(
+        trained.outputs["model"],
+        prep.outputs["dataset"],
+        trained.outputs["Output"],
+        mlflow_tracking_uri,
+        mlflow_experiment,
+    )
+
+
+PIPELINES = {"kubejax-yelp": yelp_pipeline, "kubejax-train-eval": train_eval_pipeline}

@@ -1,0 +1,447 @@
+"""The `kubejax` command line.
+
+kubejax prepare --tokenizer MODEL --source FILE_OR_HUB_ID --output DIR
+kubejax jaxjob render [options] -- TRAINER_ARGS
+kubejax jaxjob run --local --replicas N [options] -- TRAINER_ARGS
+kubejax tune --data-dir DIR --model MODEL --space JSON [options]
+kubejax evaluate --model-dir DIR --data-dir DIR
+kubejax compile [--output-dir compiled]
+kubejax run --local [--workdir DIR] [--param NAME=VALUE ...]
+kubejax submit --host URL [--param NAME=VALUE ...]
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import sys
+import typing
+from pathlib import Path
+
+from kubejax.version import IMAGE, __version__
+
+EXIT_BAD_INPUT = 2
+
+
+class CliError(Exception):
+    """A bad command-line value; printed without a traceback, exit status 2."""
+
+
+def _split_trainer_args(argv: list[str]) -> tuple[list[str], list[str]]:
+    if "--" in argv:
+        i = argv.index("--")
+        return argv[:i], argv[i + 1 :]
+    return argv, []
+
+
+# ---------------------------------------------------------------------------------------------
+# prepare
+
+
+def _add_prepare(sub) -> None:
+    from kubejax.data.prepare import PrepareConfig
+
+    p = sub.add_parser(
+        "prepare",
+        help="Yelp reviews → tokenized dataset",
+        description="Read, clean, split and tokenize reviews.",
+    )
+    p.add_argument("--output", required=True, help="output dataset folder (must not exist)")
+    p.add_argument("--report", help="also write the HTML report here")
+    hints = typing.get_type_hints(PrepareConfig)
+    for f in dataclasses.fields(PrepareConfig):
+        if f.name == "extra":
+            continue
+        tp = hints[f.name]
+        flag = "--" + f.name.replace("_", "-")
+        if tp is bool:
+            p.add_argument(
+                flag, dest=f.name, action=argparse.BooleanOptionalAction, default=f.default
+            )
+        else:
+            base = typing.get_args(tp)[0] if typing.get_args(tp) else tp
+            p.add_argument(
+                flag,
+                dest=f.name,
+                type=base,
+                required=f.default is dataclasses.MISSING,
+                default=None if f.default is dataclasses.MISSING else f.default,
+            )
+    p.set_defaults(func=_prepare)
+
+
+def _prepare(args) -> int:
+    from kubejax.data.prepare import PrepareConfig, prepare_yelp, write_report
+
+    fields = {f.name for f in dataclasses.fields(PrepareConfig)} - {"extra"}
+    cfg = PrepareConfig(**{k: getattr(args, k) for k in fields})
+    meta = prepare_yelp(cfg, args.output)
+    if args.report:
+        write_report(meta, args.report)
+    rows = {s: v["rows"] for s, v in meta["splits"].items()}
+    print(
+        json.dumps(
+            {
+                "output": args.output,
+                "rows": rows,
+                "num_labels": meta["num_labels"],
+                "dropped": meta["dropped"],
+            }
+        )
+    )
+    return 0
+
+
+# ---------------------------------------------------------------------------------------------
+# jaxjob
+
+
+def _add_jaxjob(sub) -> None:
+    p = sub.add_parser("jaxjob", help="render or run a trainer JAXJob")
+    jsub = p.add_subparsers(dest="jaxjob_command", required=True)
+
+    def common(q):
+        q.add_argument("--name", default="kubejax-train", help="job name (DNS-1035)")
+        q.add_argument("--replicas", type=int, default=1, help="number of workers")
+        q.add_argument(
+            "--restart-policy", default="OnFailure", help="Never, OnFailure, Always or ExitCode"
+        )
+        q.add_argument("--backoff-limit", type=int, default=3, help="group restarts allowed")
+        q.add_argument("--active-deadline", type=int, default=None, help="activeDeadlineSeconds")
+        q.add_argument("--image", default=IMAGE, help="worker image")
+        q.add_argument("--namespace", default=None)
+        q.add_argument("--cpu", default=None, help="CPU limit per worker, e.g. 4")
+        q.add_argument("--memory", default=None, help="memory limit per worker, e.g. 16Gi")
+        q.add_argument("--gpus", type=int, default=0, help="nvidia.com/gpu per worker")
+        q.add_argument("--tpus", type=int, default=0, help="google.com/tpu per worker")
+        q.add_argument("--env", action="append", default=[], metavar="NAME=VALUE")
+
+    r = jsub.add_parser(
+        "render",
+        help="print the JAXJob manifest as YAML",
+        description="Print the manifest; trainer flags follow '--'.",
+    )
+    common(r)
+    r.set_defaults(func=_jaxjob_render)
+    run = jsub.add_parser(
+        "run",
+        help="run the JAXJob (--local: on this machine)",
+        description="Run the trainer as a JAXJob; trainer flags follow '--'.",
+    )
+    common(run)
+    run.add_argument("--local", action="store_true", help="use the local backend")
+    run.add_argument("--timeout", type=float, default=24 * 3600, help="seconds to wait")
+    run.add_argument("--log-dir", default=None, help="where worker logs go (local)")
+    run.set_defaults(func=_jaxjob_run)
+
+
+def _spec_from_args(args):
+    from kubejax.jaxjob.spec import JAXJobSpec, resources
+
+    env = {}
+    for pair in args.env:
+        k, sep, v = pair.partition("=")
+        if not sep:
+            raise CliError(f"--env: {pair!r} is not NAME=VALUE")
+        env[k] = v
+    return JAXJobSpec(
+        name=args.name,
+        image=args.image,
+        command=["python", "-m", "kubejax.trainer"],
+        args=args.trainer_args,
+        replicas=args.replicas,
+        namespace=args.namespace,
+        resources=resources(args.cpu, args.memory, args.gpus, args.tpus),
+        env=env,
+        restart_policy=args.restart_policy,
+        backoff_limit=args.backoff_limit,
+        active_deadline_seconds=args.active_deadline,
+    )
+
+
+def _jaxjob_render(args) -> int:
+    import yaml
+
+    from kubejax.jaxjob.spec import build_manifest
+
+    print(yaml.safe_dump(build_manifest(_spec_from_args(args)), sort_keys=False), end="")
+    return 0
+
+
+def _jaxjob_run(args) -> int:
+    from kubejax.jaxjob.client import JAXJobClient, JobFailedError
+    from kubejax.jaxjob.launch import run_job
+
+    spec = _spec_from_args(args)
+    if args.local:
+        client = JAXJobClient("local", log_root=args.log_dir, echo=True)
+    else:
+        client = JAXJobClient("kubernetes", namespace=args.namespace)
+    try:
+        status = run_job(
+            client,
+            spec,
+            timeout=args.timeout,
+            delete="on_success",
+            polling_interval=1.0 if args.local else None,
+        )
+    except JobFailedError as err:
+        print(f"kubejax: {err}", file=sys.stderr)
+        return 1
+    print(f"kubejax: JAXJob {spec.name} {status.state}")
+    return 0
+
+
+# ---------------------------------------------------------------------------------------------
+# tune
+
+
+def _add_tune(sub) -> None:
+    from kubejax.tune import ALGORITHMS, PRUNERS
+
+    p = sub.add_parser(
+        "tune",
+        help="hyperparameter sweep whose trials are JAXJobs",
+        description="Run an Optuna study; every trial trains as a JAXJob.",
+    )
+    p.add_argument("--data-dir", required=True, help="prepared dataset")
+    p.add_argument("--model", required=True, help="model to fine-tune")
+    p.add_argument("--space", required=True, help="JSON search space (or @file.json)")
+    p.add_argument("--output-dir", required=True, help="trials, study.db, trials.json, report")
+    p.add_argument("--hyperparameters", default="{}", help="JSON of fixed trainer settings")
+    p.add_argument("--objective", default="eval_accuracy")
+    p.add_argument("--direction", default="maximize")
+    p.add_argument("--algorithm", default="tpe", choices=ALGORITHMS)
+    p.add_argument("--pruner", default="median", choices=PRUNERS)
+    p.add_argument("--max-trials", type=int, default=8)
+    p.add_argument("--parallelism", type=int, default=2)
+    p.add_argument("--max-failed-trials", type=int, default=2)
+    p.add_argument("--trial-timeout", type=float, default=3600)
+    p.add_argument("--replicas", type=int, default=1, help="workers per trial")
+    p.add_argument("--backend", default="local", choices=("local", "kubernetes", "auto"))
+    p.add_argument("--image", default=IMAGE)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--mlflow-tracking-uri", default="")
+    p.add_argument("--mlflow-experiment", default="kubejax")
+    p.set_defaults(func=_tune)
+
+
+def _tune(args) -> int:
+    from kubejax.tune import SweepConfig, sweep_with_jaxjobs, write_report, write_trials
+
+    space = args.space
+    if space.startswith("@"):
+        space = Path(space[1:]).read_text()
+    out = Path(args.output_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    cfg = SweepConfig(
+        space=space,
+        objective=args.objective,
+        direction=args.direction,
+        algorithm=args.algorithm,
+        max_trials=args.max_trials,
+        parallelism=args.parallelism,
+        max_failed_trials=args.max_failed_trials,
+        trial_timeout=args.trial_timeout,
+        pruner=args.pruner,
+        seed=args.seed,
+        storage=f"sqlite:///{out.resolve() / 'study.db'}",
+        poll_seconds=1.0 if args.backend == "local" else 5.0,
+    )
+    try:
+        fixed = json.loads(args.hyperparameters)
+    except json.JSONDecodeError as err:
+        raise CliError(f"--hyperparameters: not valid JSON ({err})") from err
+    result, _ = sweep_with_jaxjobs(
+        cfg,
+        data_dir=args.data_dir,
+        trials_root=str(out / "trials"),
+        hyperparameters={**fixed, "model": args.model},
+        image=args.image,
+        replicas=args.replicas,
+        backend=args.backend,
+        mlflow_tracking_uri=args.mlflow_tracking_uri,
+        mlflow_experiment=args.mlflow_experiment,
+    )
+    write_trials(result, out / "trials.json")
+    write_report(result, cfg, out / "report.html")
+    print(
+        json.dumps(
+            {
+                "best_params": result.best_params,
+                "best_value": result.best_value,
+                "counts": result.counts,
+                "trial_steps": result.trial_steps,
+            }
+        )
+    )
+    return 0
+
+
+# ---------------------------------------------------------------------------------------------
+# evaluate, compile, run, submit
+
+
+def _add_evaluate(sub) -> None:
+    p = sub.add_parser("evaluate", help="test-set metrics of a trained model folder")
+    p.add_argument("--model-dir", required=True)
+    p.add_argument("--data-dir", required=True)
+    p.add_argument("--split", default="test")
+    p.add_argument("--batch-size", type=int, default=64)
+    p.add_argument("--report", help="also write the HTML report here")
+    p.set_defaults(func=_evaluate)
+
+
+def _evaluate(args) -> int:
+    from kubejax.evaluate import evaluate_model, summary, write_eval_report
+
+    result = evaluate_model(args.model_dir, args.data_dir, args.split, args.batch_size)
+    if args.report:
+        write_eval_report(result, args.report)
+    print(json.dumps(summary(result)))
+    return 0
+
+
+def _add_compile(sub) -> None:
+    p = sub.add_parser("compile", help="compile the pipelines and components to YAML")
+    p.add_argument("--output-dir", default="compiled")
+    p.set_defaults(func=_compile)
+
+
+def _compile(args) -> int:
+    from kubejax.compile import compile_all
+
+    for path in compile_all(args.output_dir):
+        print(path)
+    return 0
+
+
+def _add_run(sub) -> None:
+    p = sub.add_parser(
+        "run",
+        help="run the whole pipeline (--local: on this machine)",
+        description="Run the Yelp pipeline under kfp.local with the local "
+        "JAXJob backend and an sqlite MLflow store.",
+    )
+    p.add_argument(
+        "--local",
+        action="store_true",
+        required=True,
+        help="run on this machine (the only mode; use submit for a cluster)",
+    )
+    p.add_argument("--workdir", default="demo-run", help="data, workspace, MLflow store")
+    p.add_argument(
+        "--pipeline", default="kubejax-yelp", choices=("kubejax-yelp", "kubejax-train-eval")
+    )
+    p.add_argument(
+        "--param",
+        action="append",
+        default=[],
+        metavar="NAME=VALUE",
+        help="override a pipeline parameter (repeatable)",
+    )
+    p.set_defaults(func=_run)
+
+
+def _run(args) -> int:
+    from kubejax.local_run import run_local
+
+    try:
+        summary = run_local(args.workdir, args.param, args.pipeline)
+    except ValueError as err:
+        if str(err).startswith("--param"):
+            raise CliError(str(err)) from err
+        raise
+    print("\n=== kubejax: evaluation summary ===")
+    for key in (
+        "accuracy",
+        "macro_f1",
+        "majority_baseline",
+        "best_params",
+        "trials",
+        "model_uri",
+        "wall_s",
+    ):
+        if key in summary:
+            print(f"{key:>18}: {summary[key]}")
+    print(f"\nsummary: {Path(args.workdir) / 'summary.json'}")
+    print(f"look at it: mlflow ui --backend-store-uri {summary['mlflow_tracking_uri']}")
+    return 0
+
+
+def _add_submit(sub) -> None:
+    p = sub.add_parser("submit", help="create a run of the compiled pipeline on a KFP server")
+    p.add_argument("--host", required=True, help="KFP API endpoint, e.g. https://kfp.example")
+    p.add_argument("--namespace", default=None, help="Kubeflow profile namespace")
+    p.add_argument("--experiment", default="kubejax", help="KFP experiment name")
+    p.add_argument(
+        "--pipeline", default="kubejax-yelp", choices=("kubejax-yelp", "kubejax-train-eval")
+    )
+    p.add_argument("--package", default=None, help="compiled YAML (default: compiled/NAME.yaml)")
+    p.add_argument("--run-name", default=None)
+    p.add_argument("--param", action="append", default=[], metavar="NAME=VALUE")
+    p.set_defaults(func=_submit)
+
+
+def _submit(args) -> int:
+    from kubejax.submit import submit
+
+    try:
+        url = submit(
+            args.host,
+            args.pipeline,
+            args.param,
+            namespace=args.namespace,
+            experiment=args.experiment,
+            package=args.package,
+            run_name=args.run_name,
+        )
+    except ValueError as err:
+        raise CliError(str(err)) from err
+    print(url)
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The top-level parser with every sub-command."""
+    p = argparse.ArgumentParser(
+        prog="kubejax",
+        description="Train and tune JAX BERT classifiers on Kubeflow (KFP v2 + JAXJob + MLflow).",
+    )
+    p.add_argument("--version", action="version", version=f"kubejax {__version__}")
+    sub = p.add_subparsers(dest="command", required=True)
+    for add in (
+        _add_prepare,
+        _add_jaxjob,
+        _add_tune,
+        _add_evaluate,
+        _add_compile,
+        _add_run,
+        _add_submit,
+    ):
+        add(sub)
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Entry point of the `kubejax` console script."""
+    argv = list(sys.argv[1:] if argv is None else argv)
+    argv, trainer_args = _split_trainer_args(argv)
+    args = build_parser().parse_args(argv)
+    args.trainer_args = trainer_args
+    from kubejax.data.prepare import PrepareError
+    from kubejax.evaluate import EvaluationError
+    from kubejax.jaxjob.spec import SpecError
+    from kubejax.trainer.config import ConfigError
+    from kubejax.tune import SweepError
+
+    try:
+        return args.func(args)
+    except (CliError, PrepareError, EvaluationError, SpecError, ConfigError, SweepError) as err:
+        print(f"kubejax {args.command}: error: {err}", file=sys.stderr)
+        return EXIT_BAD_INPUT
+
+
+if __name__ == "__main__":
+    sys.exit(main())

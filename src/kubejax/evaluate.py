@@ -1,0 +1,160 @@
+"""Test-set evaluation of a trained model folder: batched, jitted, data-parallel over the
+local devices; accuracy, macro-F1, per-class precision/recall/F1, loss, confusion matrix."""
+
+from __future__ import annotations
+
+import json
+import time
+from pathlib import Path
+
+import jax
+import numpy as np
+from flax import nnx
+
+from kubejax import report
+from kubejax.data import dataset
+from kubejax.trainer import weights
+from kubejax.trainer.train import make_eval_step
+
+
+class EvaluationError(ValueError):
+    """Evaluation inputs that do not fit; the message names the setting."""
+
+
+def check_model_dir(model_dir: str | Path) -> Path:
+    """A model folder with config, weights and labels, or EvaluationError listing what lacks."""
+    path = Path(model_dir)
+    needed = ["config.json", weights.LABELS_FILE]
+    missing = [n for n in needed if not (path / n).is_file()]
+    if not (path / weights.SAFETENSORS).is_file() and not (path / weights.PYTORCH_BIN).is_file():
+        missing.append(weights.SAFETENSORS)
+    if missing:
+        raise EvaluationError(f"model: {path} lacks {', '.join(missing)}")
+    return path
+
+
+def classification_metrics(labels: np.ndarray, preds: np.ndarray, num_labels: int) -> dict:
+    """Accuracy, macro-F1, per-class precision/recall/F1/support and the confusion matrix."""
+    cm = np.zeros((num_labels, num_labels), dtype=np.int64)
+    np.add.at(cm, (labels, preds), 1)
+    tp = np.diag(cm).astype(float)
+    precision = np.divide(tp, cm.sum(0), out=np.zeros_like(tp), where=cm.sum(0) > 0)
+    recall = np.divide(tp, cm.sum(1), out=np.zeros_like(tp), where=cm.sum(1) > 0)
+    denom = precision + recall
+    f1 = np.divide(2 * precision * recall, denom, out=np.zeros_like(tp), where=denom > 0)
+    return {
+        "accuracy": float(tp.sum() / max(cm.sum(), 1)),
+        "macro_f1": float(f1.mean()),
+        "precision": precision.tolist(),
+        "recall": recall.tolist(),
+        "f1": f1.tolist(),
+        "support": cm.sum(1).tolist(),
+        "confusion_matrix": cm.tolist(),
+    }
+
+
+def predict_logits(model, split: dataset.TokenizedSplit, batch_size: int, max_length: int):
+    """Logits for every row of `split`, in row order, data-parallel over local devices."""
+    from jax.sharding import Mesh
+
+    devices = jax.local_devices()
+    batch_size = max(len(devices), batch_size // len(devices) * len(devices))
+    mesh = Mesh(np.array(devices), ("data",))
+    graphdef, params = nnx.split(model)
+    params = jax.device_put(params, jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec()))
+    eval_step = make_eval_step(graphdef, mesh)
+    sharding = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec("data"))
+    out = np.zeros((len(split), model.num_labels), dtype=np.float32)
+    for batch in dataset.eval_batches(
+        split,
+        batch_size=batch_size,
+        process_index=0,
+        process_count=1,
+        bucket_multiple=dataset.DEFAULT_BUCKET_MULTIPLE,
+        max_length=max_length,
+    ):
+        rows, weights_ = batch.pop("rows"), batch["weights"]
+        _, logits = eval_step(params, jax.device_put(batch, sharding))
+        keep = weights_ > 0
+        out[rows[keep]] = np.asarray(logits)[keep]
+    return out
+
+
+def evaluate_model(
+    model_dir: str | Path, data_dir: str | Path, split: str = "test", batch_size: int = 64
+) -> dict:
+    """Metrics of the model on a split, with predictions and throughput."""
+    model_dir = check_model_dir(model_dir)
+    meta = dataset.read_metadata(data_dir)
+    try:
+        data = dataset.load_split(data_dir, split, with_text=True)
+    except dataset.DatasetError as err:
+        raise EvaluationError(f"dataset: {err}") from err
+    model, label_names = weights.load_model_dir(model_dir)
+    if int(meta["num_labels"]) != model.num_labels:
+        raise EvaluationError(
+            f"num_labels: the model has {model.num_labels} classes, the dataset "
+            f"{meta['num_labels']}"
+        )
+    t0 = time.perf_counter()
+    logits = predict_logits(model, data, batch_size, int(meta.get("max_length", 512)))
+    elapsed = time.perf_counter() - t0
+    preds = logits.argmax(-1)
+    top = logits.max(-1, keepdims=True)
+    logp = logits - top - np.log(np.exp(logits - top).sum(-1, keepdims=True))
+    loss = float(-logp[np.arange(len(preds)), data.labels].mean())
+    result = classification_metrics(data.labels, preds, model.num_labels)
+    counts = np.bincount(data.labels, minlength=model.num_labels)
+    result.update(
+        loss=loss,
+        examples=len(preds),
+        examples_per_s=len(preds) / elapsed,
+        majority_baseline=float(counts.max() / counts.sum()),
+        label_names=label_names,
+        predictions=preds.tolist(),
+        max_length=int(meta.get("max_length", 512)),
+    )
+    return result
+
+
+def write_eval_report(result: dict, path: str | Path) -> None:
+    """An HTML report: headline figures, per-class table, confusion matrix."""
+    names = result["label_names"]
+    per_class = [
+        {"class": n, "precision": p, "recall": r, "f1": f, "support": s}
+        for n, p, r, f, s in zip(
+            names,
+            result["precision"],
+            result["recall"],
+            result["f1"],
+            result["support"],
+            strict=True,
+        )
+    ]
+    cm_rows = [
+        {"true \\ predicted": n, **dict(zip(names, row, strict=True))}
+        for n, row in zip(names, result["confusion_matrix"], strict=True)
+    ]
+    head = {
+        k: result[k]
+        for k in ("accuracy", "macro_f1", "loss", "majority_baseline", "examples", "examples_per_s")
+    }
+    sections = [
+        report.table([head]),
+        "<h2>Per class</h2>" + report.table(per_class),
+        "<h2>Confusion matrix</h2>" + report.table(cm_rows),
+        report.bar_chart("F1 per class", names, result["f1"]),
+    ]
+    Path(path).write_text(report.page("Evaluation", sections))
+
+
+def summary(result: dict) -> dict:
+    """The headline figures (no per-example data)."""
+    return {k: v for k, v in result.items() if k not in ("predictions",)}
+
+
+def save_predictions(result: dict, path: str | Path) -> None:
+    """Predictions as JSON (label ids, in test-row order)."""
+    Path(path).write_text(
+        json.dumps({"predictions": result["predictions"], "label_names": result["label_names"]})
+    )

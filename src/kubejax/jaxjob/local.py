@@ -1,0 +1,325 @@
+"""The local JAXJob backend: real worker processes on this machine.
+
+It keeps the Training Operator's contract: every worker gets COORDINATOR_ADDRESS (127.0.0.1),
+COORDINATOR_PORT (a free port), NUM_PROCESSES, PROCESS_ID and PYTHONUNBUFFERED=1. A JAX job is
+a group: when one worker fails, the others are stopped too, and with restartPolicy OnFailure,
+Always or ExitCode (retryable codes, 128 and above) the whole group restarts, up to backoffLimit
+times. activeDeadlineSeconds stops every worker. Workers run in their own process sessions, so
+stopping a worker stops its children too; nothing is left behind.
+"""
+
+from __future__ import annotations
+
+import atexit
+import collections
+import contextlib
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from collections.abc import Callable, Iterator
+from datetime import UTC, datetime
+from pathlib import Path
+
+from kubejax.jaxjob.client import (
+    CREATED,
+    FAILED,
+    RESTARTING,
+    RUNNING,
+    SUCCEEDED,
+    JobStatus,
+)
+from kubejax.jaxjob.spec import JAXJobSpec
+
+_STOP_GRACE_SECONDS = 5.0
+_SUPERVISE_SECONDS = 0.1
+_DEFAULT_BACKOFF = 3  # the operator's default backoffLimit when restarts are allowed
+_LOG_TAIL = 40
+
+
+def free_port() -> int:
+    """A TCP port free on 127.0.0.1 right now."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _now() -> str:
+    return datetime.now(UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
+
+
+def _stop_group(proc: subprocess.Popen) -> None:
+    """SIGTERM the worker's process group, then SIGKILL what remains after a grace period."""
+    if proc.poll() is None:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(proc.pid, signal.SIGTERM)
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            proc.wait(_STOP_GRACE_SECONDS)
+    with contextlib.suppress(ProcessLookupError, PermissionError):
+        os.killpg(proc.pid, signal.SIGKILL)  # children that outlived the leader
+    proc.wait()
+
+
+class _LocalJob:
+    def __init__(self, spec: JAXJobSpec, log_dir: Path, echo: Callable[[str], None] | None):
+        self.spec = spec
+        self.log_dir = log_dir
+        self.echo = echo
+        self.conditions: list[dict] = []
+        self.procs: list[subprocess.Popen] = []
+        self.readers: list[threading.Thread] = []
+        self.restarts = 0
+        self.tails = [collections.deque(maxlen=_LOG_TAIL) for _ in range(spec.replicas)]
+        self.lock = threading.Lock()
+        self.deleted = threading.Event()
+        self.started = time.monotonic()
+        self.replica_statuses: dict = {}
+        self._condition(CREATED, "JAXJobCreated", f"JAXJob {spec.name} is created.")
+        self.thread = threading.Thread(
+            target=self._supervise, name=f"jaxjob-{spec.name}", daemon=True
+        )
+        self.thread.start()
+
+    def _condition(self, type_: str, reason: str, message: str) -> None:
+        with self.lock:
+            for c in self.conditions:
+                if c["type"] in (RUNNING, RESTARTING):
+                    c["status"] = "False"
+            self.conditions.append(
+                {
+                    "type": type_,
+                    "status": "True",
+                    "reason": reason,
+                    "message": message,
+                    "lastTransitionTime": _now(),
+                }
+            )
+
+    def _command(self) -> list[str]:
+        cmd = [*self.spec.command, *self.spec.args]
+        # The image's `python` is this interpreter here.
+        if cmd and os.path.basename(cmd[0]) in ("python", "python3"):
+            cmd[0] = sys.executable
+        return cmd
+
+    def _env(self, index: int, port: int) -> dict[str, str]:
+        env = dict(os.environ)
+        for e in self.spec.env:
+            if "value" in e:
+                env[e["name"]] = str(e["value"])
+            # valueFrom (secrets, field refs) has no local meaning: the local environment
+            # provides such variables itself.
+        env.update(
+            COORDINATOR_ADDRESS="127.0.0.1",
+            COORDINATOR_PORT=str(port),
+            NUM_PROCESSES=str(self.spec.replicas),
+            PROCESS_ID=str(index),
+            PYTHONUNBUFFERED="1",
+        )
+        return env
+
+    def _read(self, index: int, proc: subprocess.Popen, attempt: int) -> None:
+        path = self.log_dir / f"worker-{index}.log"
+        with path.open("a", encoding="utf-8") as f:
+            if attempt:
+                f.write(f"--- restart {attempt} ---\n")
+            for line in proc.stdout:
+                f.write(line)
+                f.flush()
+                self.tails[index].append(line.rstrip("\n"))
+                if self.echo is not None:
+                    self.echo(f"[worker-{index}] {line.rstrip()}")
+
+    def _start_group(self) -> None:
+        port = free_port()
+        cwd = self.spec.working_dir or None
+        self.procs, self.readers = [], []
+        for i in range(self.spec.replicas):
+            proc = subprocess.Popen(
+                self._command(),
+                env=self._env(i, port),
+                cwd=cwd,
+                stdout=subprocess.PIPE,
+                stderr=subprocess.STDOUT,
+                stdin=subprocess.DEVNULL,
+                text=True,
+                errors="replace",
+                start_new_session=True,
+            )
+            self.procs.append(proc)
+            reader = threading.Thread(target=self._read, args=(i, proc, self.restarts), daemon=True)
+            reader.start()
+            self.readers.append(reader)
+        self._condition(RUNNING, "JAXJobRunning", f"JAXJob {self.spec.name} is running.")
+
+    def stop_all(self) -> None:
+        for proc in self.procs:
+            _stop_group(proc)
+        for reader in self.readers:
+            reader.join(timeout=5)
+
+    def _retryable(self, code: int) -> bool:
+        policy = self.spec.restart_policy
+        if policy in ("OnFailure", "Always"):
+            return True
+        # ExitCode: 1-127 are permanent errors, 128-255 (signals) retryable.
+        return policy == "ExitCode" and (code < 0 or code >= 128)
+
+    def _supervise(self) -> None:
+        try:
+            self._start_group()
+        except OSError as err:
+            self._condition(FAILED, "JAXJobFailed", f"cannot start workers: {err}")
+            return
+        deadline = self.spec.active_deadline_seconds
+        backoff = (
+            self.spec.backoff_limit if self.spec.backoff_limit is not None else _DEFAULT_BACKOFF
+        )
+        while not self.deleted.is_set():
+            codes = [p.poll() for p in self.procs]
+            self.replica_statuses = {
+                "Worker": {
+                    "active": sum(c is None for c in codes),
+                    "succeeded": sum(c == 0 for c in codes),
+                    "failed": sum(c not in (None, 0) for c in codes),
+                }
+            }
+            if deadline is not None and time.monotonic() - self.started > deadline:
+                self.stop_all()
+                self._condition(
+                    FAILED,
+                    "DeadlineExceeded",
+                    f"JAXJob {self.spec.name} has run past activeDeadlineSeconds={deadline}.",
+                )
+                return
+            failed = [(i, c) for i, c in enumerate(codes) if c not in (None, 0)]
+            if failed:
+                index, code = failed[0]
+                self.stop_all()
+                msg = f"worker {index} exited with code {code}"
+                if self._retryable(code) and self.restarts < backoff:
+                    self.restarts += 1
+                    self._condition(
+                        RESTARTING,
+                        "JAXJobRestarting",
+                        f"{msg}; restarting the group ({self.restarts}/{backoff}).",
+                    )
+                    self._start_group()
+                    continue
+                reason = "BackoffLimitExceeded" if self._retryable(code) else "JAXJobFailed"
+                self._condition(
+                    FAILED,
+                    reason,
+                    msg + (f" after {self.restarts} restarts" if self.restarts else ""),
+                )
+                return
+            if all(c == 0 for c in codes):
+                for reader in self.readers:
+                    reader.join(timeout=5)
+                self._condition(
+                    SUCCEEDED, "JAXJobSucceeded", f"JAXJob {self.spec.name} successfully completed."
+                )
+                return
+            time.sleep(_SUPERVISE_SECONDS)
+
+    def status(self) -> JobStatus:
+        with self.lock:
+            return JobStatus(
+                self.spec.name, [dict(c) for c in self.conditions], dict(self.replica_statuses)
+            )
+
+    def pids(self) -> list[int]:
+        return [p.pid for p in self.procs]
+
+
+class LocalBackend:
+    """JAXJobs as local process groups; logs under `log_root/<job name>/worker-<i>.log`."""
+
+    def __init__(self, log_root: str | Path | None = None, echo: bool | Callable = False):
+        self.log_root = Path(log_root or tempfile.mkdtemp(prefix="kubejax-jobs-"))
+        self.echo = (print if echo is True else echo) or None
+        self.jobs: dict[str, _LocalJob] = {}
+        atexit.register(self.close)
+
+    def create_job(self, spec: JAXJobSpec) -> str:
+        job = self.jobs.get(spec.name)
+        if job is not None and not job.deleted.is_set():
+            return spec.name  # attach to the job of that name
+        log_dir = self.log_root / spec.name
+        log_dir.mkdir(parents=True, exist_ok=True)
+        self.jobs[spec.name] = _LocalJob(spec, log_dir, self.echo)
+        return spec.name
+
+    def _job(self, name: str) -> _LocalJob:
+        try:
+            return self.jobs[name]
+        except KeyError:
+            raise KeyError(f"JAXJob {name} not found") from None
+
+    def get_job(self, name: str) -> JobStatus:
+        return self._job(name).status()
+
+    def list_jobs(self) -> list[JobStatus]:
+        return [j.status() for j in self.jobs.values() if not j.deleted.is_set()]
+
+    def wait_for_job_status(self, name, status, timeout, polling_interval, callback=None):
+        end = time.monotonic() + timeout
+        while True:
+            st = self.get_job(name)
+            if callback is not None:
+                callback(st)
+            if st.state in status:
+                return st
+            if st.finished:
+                return st  # a terminal state not asked for: nothing more will change
+            if time.monotonic() >= end:
+                raise TimeoutError(f"JAXJob {name} did not reach {sorted(status)} in {timeout}s")
+            time.sleep(min(polling_interval, max(end - time.monotonic(), 0.01)))
+
+    def get_job_logs(self, name: str, follow: bool = False, worker: int = 0) -> Iterator[str]:
+        job = self._job(name)
+        path = job.log_dir / f"worker-{worker}.log"
+        while not path.exists() and follow and not job.status().finished:
+            time.sleep(0.1)
+        if not path.exists():
+            return
+        with path.open(encoding="utf-8", errors="replace") as f:
+            while True:
+                line = f.readline()
+                if line:
+                    yield line.rstrip("\n")
+                elif follow and not job.status().finished:
+                    time.sleep(0.1)
+                else:
+                    rest = f.read()
+                    yield from rest.splitlines()
+                    return
+
+    def log_tail(self, name: str, worker: int = 0) -> str:
+        """The last lines a worker printed."""
+        return "\n".join(self._job(name).tails[worker])
+
+    def worker_pids(self, name: str) -> list[int]:
+        """Process ids of the current workers of a job."""
+        return self._job(name).pids()
+
+    def delete_job(self, name: str) -> None:
+        job = self.jobs.pop(name, None)
+        if job is None:
+            return
+        job.deleted.set()
+        job.thread.join()
+        job.stop_all()
+
+    def close(self) -> None:
+        """Stop every job (also run at interpreter exit)."""
+        for name in list(self.jobs):
+            self.delete_job(name)
+
+    def remove_logs(self) -> None:
+        shutil.rmtree(self.log_root, ignore_errors=True)

@@ -1,0 +1,57 @@
+"""The fine-tuned classifier as an MLflow pyfunc model.
+
+    model = mlflow.pyfunc.load_model(uri)
+    model.predict(pd.DataFrame({"text": ["Great tacos!"]}))
+    # → columns: label (name), label_id, and prob_<name> per class
+
+The model folder (HF layout: config, weights, tokenizer, labels) is the pyfunc's artifact;
+texts are tokenized as data preparation did (same tokenizer, same max_length).
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import mlflow.pyfunc
+import numpy as np
+import pandas as pd
+
+TEXT_COLUMN = "text"
+
+
+class BertTextClassifier(mlflow.pyfunc.PythonModel):
+    """pyfunc wrapper: DataFrame with a `text` column → labels and class probabilities."""
+
+    def load_context(self, context) -> None:
+        self._load(Path(context.artifacts["model"]))
+
+    def _load(self, model_dir: Path) -> None:
+        from kubejax.data.prepare import load_tokenizer
+        from kubejax.trainer import weights
+
+        settings = json.loads((model_dir / weights.SETTINGS_FILE).read_text())
+        self.max_length = int(settings["max_length"])
+        self.model, self.label_names = weights.load_model_dir(model_dir)
+        self.tokenizer = load_tokenizer(str(model_dir), self.max_length)
+
+    def predict(self, context, model_input: pd.DataFrame, params=None) -> pd.DataFrame:
+        from kubejax.data.dataset import TokenizedSplit
+        from kubejax.data.prepare import tokenize
+        from kubejax.evaluate import predict_logits
+
+        if TEXT_COLUMN not in model_input.columns:
+            raise ValueError(
+                f"model_input: needs a {TEXT_COLUMN!r} column, has {list(model_input.columns)}"
+            )
+        texts = model_input[TEXT_COLUMN].fillna("").astype(str).str.strip().tolist()
+        values, offsets, _ = tokenize(texts, self.tokenizer, self.max_length)
+        split = TokenizedSplit(values, offsets, np.zeros(len(texts), dtype=np.int32))
+        logits = predict_logits(self.model, split, 64, self.max_length)
+        probs = np.exp(logits - logits.max(-1, keepdims=True))
+        probs /= probs.sum(-1, keepdims=True)
+        ids = probs.argmax(-1)
+        out = pd.DataFrame({"label": [self.label_names[i] for i in ids], "label_id": ids})
+        for i, name in enumerate(self.label_names):
+            out[f"prob_{name}"] = probs[:, i]
+        return out
