@@ -58,7 +58,15 @@ def load_split(data_dir: str | Path, split: str, *, with_text: bool = False) -> 
     path = Path(data_dir) / split
     if not path.is_dir():
         raise DatasetError(f"data_dir: {data_dir} has no {split!r} split")
-    table = datasets.load_from_disk(str(path)).data.table
+    try:
+        ds = datasets.load_from_disk(str(path))
+    except (IndexError, FileNotFoundError, ValueError) as err:
+        # datasets cannot load a split saved with no rows (no shards)
+        raise DatasetError(f"data_dir: the {split!r} split of {data_dir} is empty or unreadable "
+                           f"({type(err).__name__}: {err})") from err
+    if len(ds) == 0:
+        return TokenizedSplit(np.zeros(0, np.int32), np.zeros(1, np.int64), np.zeros(0, np.int32))
+    table = ds.data.table
     ids = table.column("input_ids").combine_chunks()
     offsets = ids.offsets.to_numpy().astype(np.int64)
     values = ids.values.to_numpy().astype(np.int32)

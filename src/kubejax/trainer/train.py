@@ -148,7 +148,7 @@ def make_train_step(graphdef, tx, mesh, seed: int):
         metrics = {
             "loss": loss / accum,
             "accuracy": acc / accum,
-            "grad_norm": optax.global_norm(grads),
+            "grad_norm": optax.tree.norm(grads),
             "tokens": batch["attention_mask"].sum(),
         }
         return params, opt_state, metrics

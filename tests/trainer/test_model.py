@@ -1,0 +1,105 @@
+"""The Flax model against transformers' PyTorch BERT, and HF checkpoints in and out."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+from flax import nnx
+from transformers import BertConfig, BertForSequenceClassification, BertModel
+
+from kubejax.trainer import weights
+from kubejax.trainer.model import BertClassifier
+
+torch.manual_seed(0)
+
+
+def _inputs(vocab: int, batch: int = 3, length: int = 40):
+    rng = np.random.default_rng(0)
+    ids = rng.integers(1000 if vocab > 1000 else 1, vocab, size=(batch, length))
+    mask = np.ones_like(ids)
+    mask[1, 23:] = 0  # padding
+    mask[2, 6:] = 0
+    ids[mask == 0] = 0
+    return ids, mask
+
+
+def _ours(model_dir, num_labels=5):
+    cfg = weights.load_config(model_dir)
+    model = BertClassifier(cfg, num_labels, rngs=nnx.Rngs(0))
+    fresh = weights.load_pretrained(model, weights.read_tensors(model_dir))
+    return model, fresh
+
+
+def test_minilm_last_hidden_state_matches_transformers(minilm_dir):
+    model, fresh = _ours(minilm_dir)
+    assert fresh == ["classifier"]  # the checkpoint has a pooler, no head
+    ids, mask = _inputs(30522)
+    ref = BertModel.from_pretrained(str(minilm_dir)).eval()
+    with torch.no_grad():
+        expected = ref(input_ids=torch.tensor(ids), attention_mask=torch.tensor(mask))
+    ours = np.asarray(model.bert(ids, mask))
+    assert np.abs(ours - expected.last_hidden_state.numpy()).max() <= 1e-4
+
+
+def test_random_small_config_matches_transformers(tmp_path):
+    cfg = BertConfig(hidden_size=48, num_hidden_layers=3, num_attention_heads=4,
+                     intermediate_size=96, vocab_size=500, max_position_embeddings=64)
+    ref = BertForSequenceClassification(cfg).eval()  # random init, num_labels 2
+    ref.save_pretrained(str(tmp_path))
+    model, fresh = _ours(tmp_path, num_labels=2)
+    assert fresh == []
+    ids, mask = _inputs(500, length=30)
+    with torch.no_grad():
+        out = ref(input_ids=torch.tensor(ids), attention_mask=torch.tensor(mask),
+                  output_hidden_states=True)
+    hidden = np.asarray(model.bert(ids, mask))
+    assert np.abs(hidden - out.hidden_states[-1].numpy()).max() <= 1e-4
+    logits = np.asarray(model(ids, mask))
+    assert np.abs(logits - out.logits.numpy()).max() <= 1e-4
+
+
+def test_cls_only_last_layer_equals_full_computation(minilm_dir):
+    model, _ = _ours(minilm_dir)
+    ids, mask = _inputs(30522)
+    full = np.asarray(model.bert(ids, mask))
+    cls = np.asarray(model.bert(ids, mask, cls_only=True))
+    assert cls.shape == (3, 1, 384)
+    np.testing.assert_allclose(cls[:, 0], full[:, 0], atol=1e-5)
+
+
+def test_pytorch_bin_with_bert_prefix_loads(tmp_path, minilm_dir):
+    ref = BertModel.from_pretrained(str(minilm_dir))
+    state = {f"bert.{k}": v for k, v in ref.state_dict().items()}
+    torch.save(state, tmp_path / "pytorch_model.bin")
+    (tmp_path / "config.json").write_text((minilm_dir / "config.json").read_text())
+    model, fresh = _ours(tmp_path)
+    assert fresh == ["classifier"]
+    ours_safetensors, _ = _ours(minilm_dir)
+    ids, mask = _inputs(30522)
+    np.testing.assert_allclose(np.asarray(model.bert(ids, mask)),
+                               np.asarray(ours_safetensors.bert(ids, mask)), atol=1e-6)
+
+
+def test_saved_model_folder_loads_in_transformers_and_back(tmp_path, minilm_dir):
+    model, _ = _ours(minilm_dir, num_labels=3)
+    weights.save_model_dir(model, tmp_path / "m", ["neg", "mid", "pos"], minilm_dir,
+                           max_length=64)
+    reloaded, labels = weights.load_model_dir(tmp_path / "m")
+    assert labels == ["neg", "mid", "pos"]
+    ids, mask = _inputs(30522)
+    np.testing.assert_allclose(np.asarray(reloaded(ids, mask)), np.asarray(model(ids, mask)),
+                               atol=1e-6)
+    hf = BertForSequenceClassification.from_pretrained(str(tmp_path / "m")).eval()
+    with torch.no_grad():
+        hf_logits = hf(input_ids=torch.tensor(ids), attention_mask=torch.tensor(mask)).logits
+    np.testing.assert_allclose(hf_logits.numpy(), np.asarray(model(ids, mask)), atol=1e-4)
+
+
+def test_checkpoint_folder_problems_are_named(tmp_path):
+    with pytest.raises(FileNotFoundError, match="config.json"):
+        weights.load_config(tmp_path)
+    with pytest.raises(FileNotFoundError, match="model.safetensors"):
+        weights.read_tensors(tmp_path)
+    with pytest.raises(FileNotFoundError, match="not a folder"):
+        weights.resolve_model_dir(str(tmp_path / "missing" / "model"))
