@@ -65,8 +65,12 @@ def prepared(tmp_path_factory, yelp_dir, minilm_dir) -> Path:
 
     out = tmp_path_factory.mktemp("prepared") / "data"
     prepare_yelp(
-        PrepareConfig(tokenizer=str(minilm_dir), source=str(yelp_dir), max_length=64,
-                      max_validation_samples=150),
+        PrepareConfig(
+            tokenizer=str(minilm_dir),
+            source=str(yelp_dir),
+            max_length=64,
+            max_validation_samples=150,
+        ),
         out,
         progress=False,
     )

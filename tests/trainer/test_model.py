@@ -43,16 +43,25 @@ def test_minilm_last_hidden_state_matches_transformers(minilm_dir):
 
 
 def test_random_small_config_matches_transformers(tmp_path):
-    cfg = BertConfig(hidden_size=48, num_hidden_layers=3, num_attention_heads=4,
-                     intermediate_size=96, vocab_size=500, max_position_embeddings=64)
+    cfg = BertConfig(
+        hidden_size=48,
+        num_hidden_layers=3,
+        num_attention_heads=4,
+        intermediate_size=96,
+        vocab_size=500,
+        max_position_embeddings=64,
+    )
     ref = BertForSequenceClassification(cfg).eval()  # random init, num_labels 2
     ref.save_pretrained(str(tmp_path))
     model, fresh = _ours(tmp_path, num_labels=2)
     assert fresh == []
     ids, mask = _inputs(500, length=30)
     with torch.no_grad():
-        out = ref(input_ids=torch.tensor(ids), attention_mask=torch.tensor(mask),
-                  output_hidden_states=True)
+        out = ref(
+            input_ids=torch.tensor(ids),
+            attention_mask=torch.tensor(mask),
+            output_hidden_states=True,
+        )
     hidden = np.asarray(model.bert(ids, mask))
     assert np.abs(hidden - out.hidden_states[-1].numpy()).max() <= 1e-4
     logits = np.asarray(model(ids, mask))
@@ -77,19 +86,20 @@ def test_pytorch_bin_with_bert_prefix_loads(tmp_path, minilm_dir):
     assert fresh == ["classifier"]
     ours_safetensors, _ = _ours(minilm_dir)
     ids, mask = _inputs(30522)
-    np.testing.assert_allclose(np.asarray(model.bert(ids, mask)),
-                               np.asarray(ours_safetensors.bert(ids, mask)), atol=1e-6)
+    np.testing.assert_allclose(
+        np.asarray(model.bert(ids, mask)), np.asarray(ours_safetensors.bert(ids, mask)), atol=1e-6
+    )
 
 
 def test_saved_model_folder_loads_in_transformers_and_back(tmp_path, minilm_dir):
     model, _ = _ours(minilm_dir, num_labels=3)
-    weights.save_model_dir(model, tmp_path / "m", ["neg", "mid", "pos"], minilm_dir,
-                           max_length=64)
+    weights.save_model_dir(model, tmp_path / "m", ["neg", "mid", "pos"], minilm_dir, max_length=64)
     reloaded, labels = weights.load_model_dir(tmp_path / "m")
     assert labels == ["neg", "mid", "pos"]
     ids, mask = _inputs(30522)
-    np.testing.assert_allclose(np.asarray(reloaded(ids, mask)), np.asarray(model(ids, mask)),
-                               atol=1e-6)
+    np.testing.assert_allclose(
+        np.asarray(reloaded(ids, mask)), np.asarray(model(ids, mask)), atol=1e-6
+    )
     hf = BertForSequenceClassification.from_pretrained(str(tmp_path / "m")).eval()
     with torch.no_grad():
         hf_logits = hf(input_ids=torch.tensor(ids), attention_mask=torch.tensor(mask)).logits

@@ -29,16 +29,18 @@ def _params(out: Path) -> dict:
 
 def _run_local(name: str, replicas: int, args: list[str], tmp_path: Path, **spec) -> None:
     client = JAXJobClient("local", log_root=tmp_path / "logs")
-    job = JAXJobSpec(name=name, image="local", command=trainer_cmd()[:3], args=args,
-                     replicas=replicas, **spec)
+    job = JAXJobSpec(
+        name=name, image="local", command=trainer_cmd()[:3], args=args, replicas=replicas, **spec
+    )
     run_job(client, job, timeout=300, polling_interval=0.2, log=None)
 
 
 @pytest.mark.slow
 def test_two_processes_equal_one_process(tmp_path, tiny_model_dir, prepared):
     one, two = tmp_path / "one", tmp_path / "two"
-    subprocess.run(trainer_cmd(*tiny_args(tiny_model_dir, prepared, one)), check=True,
-                   capture_output=True)
+    subprocess.run(
+        trainer_cmd(*tiny_args(tiny_model_dir, prepared, one)), check=True, capture_output=True
+    )
     _run_local("dp-two", 2, tiny_args(tiny_model_dir, prepared, two), tmp_path)
     a, b = _losses(one), _losses(two)
     assert len(a) == len(b) == 10
@@ -50,19 +52,27 @@ def test_two_processes_equal_one_process(tmp_path, tiny_model_dir, prepared):
         assert float(np.abs(pa[k] - pb[k]).max()) / scale <= 1e-5, k
     meta = json.loads((two / "metrics.json").read_text())
     assert meta["final"]["num_processes"] == 2
-    assert sorted(p.name for p in (two / "resources").iterdir()) == ["worker-0.json",
-                                                                      "worker-1.json"]
+    assert sorted(p.name for p in (two / "resources").iterdir()) == [
+        "worker-0.json",
+        "worker-1.json",
+    ]
 
 
 @pytest.mark.slow
 def test_resume_after_a_kill_matches_an_uninterrupted_run(tmp_path, tiny_model_dir, prepared):
     flags = {"max_steps": 12, "checkpoint_every": 4, "dropout": 0.1}
     whole, resumed = tmp_path / "whole", tmp_path / "resumed"
-    subprocess.run(trainer_cmd(*tiny_args(tiny_model_dir, prepared, whole, **flags)),
-                   check=True, capture_output=True)
+    subprocess.run(
+        trainer_cmd(*tiny_args(tiny_model_dir, prepared, whole, **flags)),
+        check=True,
+        capture_output=True,
+    )
     # Kill the second run once its step-4 checkpoint is complete, then start it again.
-    proc = subprocess.Popen(trainer_cmd(*tiny_args(tiny_model_dir, prepared, resumed, **flags)),
-                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    proc = subprocess.Popen(
+        trainer_cmd(*tiny_args(tiny_model_dir, prepared, resumed, **flags)),
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
     deadline = time.monotonic() + 120
     while not (resumed / "checkpoints" / "4").is_dir():
         assert proc.poll() is None and time.monotonic() < deadline
@@ -70,8 +80,12 @@ def test_resume_after_a_kill_matches_an_uninterrupted_run(tmp_path, tiny_model_d
     proc.kill()
     proc.wait()
     assert not (resumed / "model").exists()
-    out = subprocess.run(trainer_cmd(*tiny_args(tiny_model_dir, prepared, resumed, **flags)),
-                         check=True, capture_output=True, text=True)
+    out = subprocess.run(
+        trainer_cmd(*tiny_args(tiny_model_dir, prepared, resumed, **flags)),
+        check=True,
+        capture_output=True,
+        text=True,
+    )
     assert "resumed at step" in out.stdout
     pa, pb = _params(whole), _params(resumed)
     for k in pa:
@@ -81,15 +95,26 @@ def test_resume_after_a_kill_matches_an_uninterrupted_run(tmp_path, tiny_model_d
 @pytest.mark.slow
 def test_minilm_learns_synthetic_reviews(tmp_path, minilm_dir, prepared):
     out = tmp_path / "minilm"
-    args = tiny_args(minilm_dir, prepared, out, max_steps=40, global_batch_size=16,
-                     learning_rate=1e-4, log_every=10, max_eval_examples=0, dropout=0.1)
+    args = tiny_args(
+        minilm_dir,
+        prepared,
+        out,
+        max_steps=40,
+        global_batch_size=16,
+        learning_rate=1e-4,
+        log_every=10,
+        max_eval_examples=0,
+        dropout=0.1,
+    )
     assert trainer_main(args) == 0
     final = json.loads((out / "metrics.json").read_text())["final"]
     meta = json.loads((prepared / "metadata.json").read_text())
     counts = meta["splits"]["validation"]["class_counts"]
     majority = max(counts) / sum(counts)
-    print(f"MiniLM after 40 steps: validation accuracy {final['eval_accuracy']:.3f}, "
-          f"majority class {majority:.3f}")
+    print(
+        f"MiniLM after 40 steps: validation accuracy {final['eval_accuracy']:.3f}, "
+        f"majority class {majority:.3f}"
+    )
     assert final["eval_accuracy"] >= majority + 0.25
 
 
@@ -117,8 +142,9 @@ BAD_INPUTS = [
 
 
 @pytest.mark.parametrize(("name", "flags", "expected"), BAD_INPUTS, ids=[c[0] for c in BAD_INPUTS])
-def test_bad_settings_exit_2_naming_the_setting(name, flags, expected, tmp_path, capsys,
-                                                 tiny_model_dir, prepared):
+def test_bad_settings_exit_2_naming_the_setting(
+    name, flags, expected, tmp_path, capsys, tiny_model_dir, prepared
+):
     out = tmp_path / "out"
     assert trainer_main(tiny_args(tiny_model_dir, prepared, out, **flags)) == 2
     assert expected in capsys.readouterr().err
@@ -149,6 +175,10 @@ def test_batch_not_divisible_by_two_workers_fails_the_job(tmp_path, tiny_model_d
     from kubejax.jaxjob.client import JobFailedError
 
     with pytest.raises(JobFailedError, match="exited with code 2") as err:
-        _run_local("odd-batch", 2, tiny_args(tiny_model_dir, prepared, tmp_path / "o",
-                                             global_batch_size=9), tmp_path)
+        _run_local(
+            "odd-batch",
+            2,
+            tiny_args(tiny_model_dir, prepared, tmp_path / "o", global_batch_size=9),
+            tmp_path,
+        )
     assert "global_batch_size: 9" in err.value.log_tail

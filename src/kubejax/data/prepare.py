@@ -112,21 +112,16 @@ def _read_csv(path: str, sep: str, cfg: PrepareConfig) -> pd.DataFrame:
 
     with fsspec.open(path, "r", encoding="utf-8", newline="") as f:
         first = next(csv.reader([f.readline()], delimiter=sep), [])
-    has_header = cfg.text_column in first and cfg.label_column in first
-    if has_header:
+    zhang = len(first) in (2, 3) and first[0].strip().lstrip("-").isdigit()
+    if not zhang:
+        # A header row; missing columns are reported with the columns it has.
         return pd.read_csv(path, sep=sep, keep_default_na=False, dtype=str)
     # The Zhang et al. (2015) layout: no header, class first, then (title and) text.
-    if len(first) in (2, 3) and first[0].strip().lstrip("-").isdigit():
-        names = ["label", "text"] if len(first) == 2 else ["label", "title", "text"]
-        df = pd.read_csv(path, sep=sep, header=None, names=names, keep_default_na=False, dtype=str)
-        if len(first) == 3:
-            df["text"] = df["title"].str.cat(df["text"], sep="\n")
-        return df.rename(columns={"label": cfg.label_column, "text": cfg.text_column})
-    raise PrepareError(
-        f"text_column/label_column: {path} has no header with {cfg.text_column!r} and "
-        f"{cfg.label_column!r}, and is not in the headerless class,text layout; "
-        f"its first row is {first[:4]}"
-    )
+    names = ["label", "text"] if len(first) == 2 else ["label", "title", "text"]
+    df = pd.read_csv(path, sep=sep, header=None, names=names, keep_default_na=False, dtype=str)
+    if len(first) == 3:
+        df["text"] = df["title"].str.cat(df["text"], sep="\n")
+    return df.rename(columns={"label": cfg.label_column, "text": cfg.text_column})
 
 
 def read_file(path: str, cfg: PrepareConfig) -> pd.DataFrame:
@@ -300,13 +295,18 @@ def stratified_split(
 
 
 def stratified_cap(labels: np.ndarray, cap: int, rng: np.random.Generator) -> np.ndarray:
-    """Sorted indices of at most `cap` rows, keeping the class proportions."""
+    """Sorted indices of exactly `cap` rows (when there are more), keeping class proportions
+    (largest-remainder quotas per class)."""
     if cap <= 0 or cap >= len(labels):
         return np.arange(len(labels))
-    _, carved = stratified_split(labels, cap / len(labels), rng)
-    if len(carved) > cap:
-        carved = np.sort(rng.choice(carved, size=cap, replace=False))
-    return carved
+    classes, counts = np.unique(labels, return_counts=True)
+    quota = counts * cap / len(labels)
+    take = np.floor(quota).astype(int)
+    extra = np.argsort(-(quota - take), kind="stable")[: cap - take.sum()]
+    take[extra] += 1
+    picked = [rng.choice(np.flatnonzero(labels == c), size=k, replace=False)
+              for c, k in zip(classes, take, strict=True)]
+    return np.sort(np.concatenate(picked))
 
 
 def load_tokenizer(name: str, max_length: int):
@@ -401,6 +401,12 @@ def prepare_yelp(cfg: PrepareConfig, out_dir: str | Path, progress: bool = True)
     _check_columns(frames, cfg)
     dropped: dict[str, int] = {}
     cleaned = {split: _clean(df, cfg, dropped) for split, df in frames.items()}
+    for split, df in cleaned.items():
+        if len(df) == 0:
+            raise PrepareError(
+                f"source: nothing is left of the {split} data after cleaning "
+                f"(dropped: {dropped or 'none'})"
+            )
     raw = pd.concat([df["raw_label"] for df in cleaned.values()])
     mapping, label_names = build_label_mapping(raw, cfg, class_names)
     num_labels = cfg.num_labels or len(label_names)

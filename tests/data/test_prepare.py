@@ -1,0 +1,266 @@
+"""Data preparation: every source format, splits and caps, label mappings, the report, and
+every bad input."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import datasets
+import numpy as np
+import pandas as pd
+import pytest
+
+from kubejax.cli import main as cli_main
+from kubejax.data.dataset import load_split
+from kubejax.data.prepare import PrepareConfig, PrepareError, prepare_yelp, write_report
+from kubejax.data.synthetic import generate_reviews
+
+
+def _frame(n=200, seed=0, label_offset=1) -> pd.DataFrame:
+    stars, texts = generate_reviews(n, seed)
+    return pd.DataFrame({"label": stars - 1 + label_offset, "text": texts})
+
+
+def _cfg(tok: Path, source, **kw) -> PrepareConfig:
+    return PrepareConfig(tokenizer=str(tok), source=str(source), max_length=32, **kw)
+
+
+def _write(df: pd.DataFrame, path: Path) -> Path:
+    fmt = path.suffix
+    if fmt == ".csv":
+        df.to_csv(path, index=False)
+    elif fmt == ".tsv":
+        df.to_csv(path, sep="\t", index=False)
+    elif fmt == ".jsonl":
+        df.to_json(path, orient="records", lines=True)
+    elif fmt == ".json":
+        df.to_json(path, orient="records")
+    elif fmt == ".parquet":
+        df.to_parquet(path)
+    return path
+
+
+@pytest.mark.parametrize("suffix", [".csv", ".tsv", ".json", ".jsonl", ".parquet"])
+def test_each_file_format(tmp_path, minilm_dir, suffix):
+    src = _write(_frame(), tmp_path / f"reviews{suffix}")
+    meta = prepare_yelp(_cfg(minilm_dir, src), tmp_path / "out", progress=False)
+    assert meta["num_labels"] == 5
+    assert sum(s["rows"] for s in meta["splits"].values()) == 200
+    assert meta["label_names"] == ["1", "2", "3", "4", "5"]
+    train = load_split(tmp_path / "out", "train")
+    assert train.labels.min() == 0 and train.labels.max() == 4
+    assert (train.lengths <= 32).all()
+
+
+def test_zhang_csv_layout_folder(tmp_path, minilm_dir, yelp_dir):
+    first = (yelp_dir / "train.csv").read_text().splitlines()[0]
+    assert first.startswith('"') and "\\n" not in first[:3]
+    meta = prepare_yelp(_cfg(minilm_dir, yelp_dir), tmp_path / "out", progress=False)
+    assert meta["splits"]["test"]["rows"] == 300  # test.csv is the test split
+    assert meta["splits"]["train"]["rows"] + meta["splits"]["validation"]["rows"] == 1500
+    test = load_split(tmp_path / "out", "test", with_text=True)
+    assert not any("\\n" in t for t in test.texts)  # escaped newlines are unescaped
+    assert any("\n" in t for t in test.texts)
+
+
+def test_headerless_three_column_layout(tmp_path, minilm_dir):
+    src = tmp_path / "amazon.csv"
+    src.write_text('"2","Great","Loved it\\nso much"\n"1","Bad","Awful service"\n' * 20)
+    meta = prepare_yelp(_cfg(minilm_dir, src), tmp_path / "out", progress=False)
+    assert meta["num_labels"] == 2
+
+
+def test_stratified_validation_and_caps(tmp_path, minilm_dir):
+    src = _write(_frame(1000), tmp_path / "r.parquet")
+    meta = prepare_yelp(
+        _cfg(
+            minilm_dir, src, max_train_samples=300, max_validation_samples=50, max_test_samples=40
+        ),
+        tmp_path / "out",
+        progress=False,
+    )
+    s = meta["splits"]
+    assert (s["train"]["rows"], s["validation"]["rows"], s["test"]["rows"]) == (300, 50, 40)
+    for split in s.values():
+        counts = np.array(split["class_counts"])
+        shares = counts / counts.sum()
+        assert np.abs(shares - 0.2).max() < 0.06  # the classes are balanced in the source
+
+
+def test_split_spec_slices(tmp_path, minilm_dir):
+    folder = tmp_path / "src"
+    folder.mkdir()
+    _write(_frame(400), folder / "train.csv")
+    _write(_frame(100, seed=1), folder / "test.csv")
+    meta = prepare_yelp(
+        _cfg(minilm_dir, folder, train_split="train[:50%]", test_split="test[10:30]"),
+        tmp_path / "out",
+        progress=False,
+    )
+    assert meta["splits"]["test"]["rows"] == 20
+    assert meta["splits"]["train"]["rows"] + meta["splits"]["validation"]["rows"] == 200
+
+
+LABELS = [
+    ("stars 1..5 → 0..4", [1, 2, 3, 4, 5], "auto", {"1": 0, "5": 4}, ["1", "2", "3", "4", "5"]),
+    ("0-based ids stay", [0, 1, 2], "auto", {"0": 0, "2": 2}, ["0", "1", "2"]),
+    (
+        "strings → sorted ids",
+        ["pos", "neg", "mid"],
+        "auto",
+        {"mid": 0, "neg": 1, "pos": 2},
+        ["mid", "neg", "pos"],
+    ),
+    (
+        "explicit mapping",
+        ["pos", "neg"],
+        '{"neg": 0, "pos": 1}',
+        {"neg": 0, "pos": 1},
+        ["neg", "pos"],
+    ),
+]
+
+
+@pytest.mark.parametrize(
+    ("name", "raw", "mapping", "expected", "names"), LABELS, ids=[c[0] for c in LABELS]
+)
+def test_label_mappings(tmp_path, minilm_dir, name, raw, mapping, expected, names):
+    _, texts = generate_reviews(60 * len(raw))
+    df = pd.DataFrame({"text": texts, "label": [raw[i % len(raw)] for i in range(len(texts))]})
+    src = _write(df, tmp_path / "r.jsonl")
+    meta = prepare_yelp(
+        _cfg(minilm_dir, src, label_mapping=mapping), tmp_path / "o", progress=False
+    )
+    assert {k: meta["label_mapping"][k] for k in expected} == expected
+    assert meta["label_names"] == names
+
+
+def test_cleaning_counts_drops(tmp_path, minilm_dir):
+    df = _frame(100)
+    df.loc[:4, "text"] = "   "
+    df.loc[5:9, "text"] = df.loc[10, "text"]
+    src = _write(df, tmp_path / "r.csv")
+    meta = prepare_yelp(_cfg(minilm_dir, src, deduplicate=True), tmp_path / "o", progress=False)
+    assert meta["dropped"] == {"empty_text": 5, "duplicate_text": 5}
+
+
+def test_metadata_and_report(tmp_path, minilm_dir, prepared):
+    meta = json.loads((prepared / "metadata.json").read_text())
+    train = meta["splits"]["train"]
+    assert {"p50", "p90", "p99"} <= set(train["length_percentiles"])
+    assert 0 < train["truncation_rate"] <= 1
+    assert meta["source"] and meta["tokenizer"]
+    ds = datasets.load_from_disk(str(prepared))
+    assert set(ds["train"].column_names) == {"input_ids", "attention_mask", "label", "length"}
+    assert "text" in ds["test"].column_names
+    write_report(meta, tmp_path / "report.html")
+    html = (tmp_path / "report.html").read_text()
+    assert "Class balance: train" in html and "Token lengths: train" in html and "<svg" in html
+
+
+def test_truncation_equals_the_tokenizers_own(minilm_dir):
+    from tokenizers import Tokenizer
+
+    from kubejax.data.prepare import load_tokenizer, tokenize
+
+    _, texts = generate_reviews(100, seed=3)
+    values, offsets, truncated = tokenize(texts, load_tokenizer(str(minilm_dir), 48), 48)
+    ref = Tokenizer.from_file(str(minilm_dir / "tokenizer.json"))
+    ref.no_padding()
+    ref.enable_truncation(48)
+    for i, enc in enumerate(ref.encode_batch(texts)):
+        assert values[offsets[i] : offsets[i + 1]].tolist() == enc.ids
+    assert truncated.any()
+
+
+def _bad(tmp_path, minilm_dir, **kw):
+    source = kw.pop("source", None) or _write(_frame(), tmp_path / "r.csv")
+    return lambda: prepare_yelp(_cfg(minilm_dir, source, **kw), tmp_path / "out", progress=False)
+
+
+BAD = [
+    ("hub id offline", {"source": "nobody/no-such-dataset"}, "local file or folder"),
+    ("missing column", {"text_column": "review"}, "its columns are"),
+    ("labels out of range", {"num_labels": 3}, "num_labels: "),
+    ("malformed split spec", {"train_split": "train[:abc]"}, "train_split:"),
+    ("max_length above positions", {"max_length": 4096}, "max_length: 4096 exceeds"),
+    ("unknown extension", {"source": "reviews.xlsx"}, "source:"),
+    ("missing file", {"source": "/nonexistent/reviews.csv"}, "does not exist"),
+    ("bad label mapping", {"label_mapping": "{not json"}, "label_mapping:"),
+]
+
+
+@pytest.mark.parametrize(("name", "kw", "message"), BAD, ids=[c[0] for c in BAD])
+def test_bad_input_is_named_and_leaves_nothing(tmp_path, minilm_dir, name, kw, message):
+    if kw.get("max_length"):
+        run = lambda: prepare_yelp(  # noqa: E731
+            PrepareConfig(
+                tokenizer=str(minilm_dir),
+                source=str(_write(_frame(), tmp_path / "r.csv")),
+                max_length=kw["max_length"],
+            ),
+            tmp_path / "out",
+            progress=False,
+        )
+    else:
+        run = _bad(tmp_path, minilm_dir, **kw)
+    with pytest.raises(PrepareError, match=message.replace("[", r"\[")):
+        run()
+    assert not (tmp_path / "out").exists()
+    assert not list(tmp_path.glob(".out.*"))
+
+
+def test_missing_labels_and_nothing_left(tmp_path, minilm_dir):
+    df = _frame(50)
+    df.loc[3, "label"] = None
+    with pytest.raises(PrepareError, match="label_column: 1 rows have no label"):
+        _bad(tmp_path, minilm_dir, source=_write(df, tmp_path / "m.csv"))()
+    df = _frame(50)
+    df["text"] = " "
+    with pytest.raises(PrepareError, match="nothing is left"):
+        _bad(tmp_path, minilm_dir, source=_write(df, tmp_path / "e.csv"))()
+    assert not (tmp_path / "out").exists()
+
+
+def test_unreadable_file(tmp_path, minilm_dir):
+    src = tmp_path / "broken.parquet"
+    src.write_bytes(b"not parquet at all")
+    with pytest.raises(PrepareError, match="cannot read"):
+        _bad(tmp_path, minilm_dir, source=src)()
+
+
+def test_cli_prepare_and_its_errors(tmp_path, minilm_dir, yelp_dir, capsys):
+    out = tmp_path / "cli-out"
+    code = cli_main(
+        [
+            "prepare",
+            "--tokenizer",
+            str(minilm_dir),
+            "--source",
+            str(yelp_dir),
+            "--output",
+            str(out),
+            "--max-length",
+            "32",
+            "--report",
+            str(tmp_path / "r.html"),
+        ]
+    )
+    assert code == 0 and (out / "metadata.json").is_file() and (tmp_path / "r.html").is_file()
+    code = cli_main(
+        [
+            "prepare",
+            "--tokenizer",
+            str(minilm_dir),
+            "--source",
+            str(yelp_dir),
+            "--output",
+            str(tmp_path / "x"),
+            "--label-column",
+            "stars",
+        ]
+    )
+    assert code == 2
+    assert "label_column" in capsys.readouterr().err
+    assert not (tmp_path / "x").exists()
