@@ -248,13 +248,14 @@ def test_cli_prepare_and_its_errors(tmp_path, minilm_dir, yelp_dir, capsys):
         ]
     )
     assert code == 0 and (out / "metadata.json").is_file() and (tmp_path / "r.html").is_file()
+    with_header = _write(_frame(), tmp_path / "h.csv")
     code = cli_main(
         [
             "prepare",
             "--tokenizer",
             str(minilm_dir),
             "--source",
-            str(yelp_dir),
+            str(with_header),
             "--output",
             str(tmp_path / "x"),
             "--label-column",
