@@ -189,19 +189,20 @@ def build_manifest(spec: JAXJobSpec) -> dict:
         "apiVersion": API_VERSION,
         "kind": KIND,
         "metadata": metadata,
-        "spec": _drop_empty(
-            {
-                "jaxReplicaSpecs": {
-                    "Worker": {
-                        "replicas": spec.replicas,
-                        "restartPolicy": spec.restart_policy,
-                        "template": {
-                            "metadata": {"labels": labels, "annotations": spec.annotations},
-                            "spec": pod_spec,
-                        },
-                    }
-                },
-                "runPolicy": run_policy,
-            }
-        ),
+        "spec": {
+            "jaxReplicaSpecs": {
+                "Worker": {
+                    "replicas": spec.replicas,
+                    "restartPolicy": spec.restart_policy,
+                    "template": {
+                        "metadata": _drop_empty(
+                            {"labels": labels, "annotations": spec.annotations}
+                        ),
+                        "spec": pod_spec,
+                    },
+                }
+            },
+            # Always present: the kubeflow-training SDK's model requires it.
+            "runPolicy": run_policy,
+        },
     }

@@ -1,0 +1,195 @@
+"""A FAKE Kubernetes API server on 127.0.0.1 for the JAXJob kubernetes backend's tests.
+
+It records every request and plays a scripted list of status transitions: each GET of a job
+moves it one step along `script` (the last step repeats). Pods `<job>-worker-<i>` exist once
+the job does; their log is `log_lines`.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import threading
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from urllib.parse import parse_qs, urlparse
+
+JOBS = re.compile(r"^/apis/kubeflow\.org/v1/namespaces/([^/]+)/jaxjobs(?:/([^/]+))?$")
+PODS = re.compile(r"^/api/v1/namespaces/([^/]+)/pods(?:/([^/]+))?(/log)?$")
+
+
+def condition(type_: str, reason: str = "", message: str = "") -> dict:
+    return {
+        "type": type_,
+        "status": "True",
+        "reason": reason or f"JAXJob{type_}",
+        "message": message or f"JAXJob is {type_.lower()}.",
+        "lastTransitionTime": "2026-12-02T00:00:00Z",
+    }
+
+
+class FakeKubernetes:
+    """Start with `with FakeKubernetes(script=[...]) as fake:`; `fake.host` is the API URL."""
+
+    def __init__(
+        self,
+        script: list[list[dict]] | None = None,
+        log_lines: list[str] | None = None,
+        failed_pod: int | None = None,
+    ):
+        self.script = script or [
+            [condition("Created")],
+            [condition("Created"), condition("Running")],
+            [condition("Created"), condition("Running"), condition("Succeeded")],
+        ]
+        self.log_lines = log_lines or ["step 1/2 | loss 1.0", "step 2/2 | loss 0.5"]
+        self.failed_pod = failed_pod
+        self.requests: list[tuple[str, str]] = []
+        self.bodies: list[dict] = []
+        self.jobs: dict[str, dict] = {}
+        self.steps: dict[str, int] = {}
+        self.lock = threading.Lock()
+        fake = self
+
+        class Handler(BaseHTTPRequestHandler):
+            def log_message(self, *args):
+                pass
+
+            def _send(self, code: int, body, content_type="application/json"):
+                data = body if isinstance(body, bytes) else json.dumps(body).encode()
+                self.send_response(code)
+                self.send_header("Content-Type", content_type)
+                self.send_header("Content-Length", str(len(data)))
+                self.end_headers()
+                self.wfile.write(data)
+
+            def _not_found(self, what):
+                self._send(
+                    404,
+                    {
+                        "kind": "Status",
+                        "apiVersion": "v1",
+                        "status": "Failure",
+                        "reason": "NotFound",
+                        "code": 404,
+                        "message": f"{what} not found",
+                    },
+                )
+
+            def do_POST(self):
+                fake.record("POST", self.path)
+                body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
+                fake.bodies.append(body)
+                name = body["metadata"]["name"]
+                with fake.lock:
+                    if name in fake.jobs:
+                        return self._send(
+                            409,
+                            {
+                                "kind": "Status",
+                                "code": 409,
+                                "reason": "AlreadyExists",
+                                "status": "Failure",
+                            },
+                        )
+                    fake.jobs[name] = body
+                    fake.steps[name] = 0
+                self._send(201, body)
+
+            def do_DELETE(self):
+                fake.record("DELETE", self.path)
+                m = JOBS.match(urlparse(self.path).path)
+                with fake.lock:
+                    if not m or m.group(2) not in fake.jobs:
+                        return self._not_found("jaxjob")
+                    fake.jobs.pop(m.group(2))
+                self._send(200, {"kind": "Status", "status": "Success"})
+
+            def do_GET(self):
+                fake.record("GET", self.path)
+                url = urlparse(self.path)
+                m = JOBS.match(url.path)
+                if m:
+                    if m.group(2) is None:
+                        return self._send(200, {"items": [fake.job(n) for n in fake.jobs]})
+                    if m.group(2) not in fake.jobs:
+                        return self._not_found("jaxjob")
+                    return self._send(200, fake.advance(m.group(2)))
+                m = PODS.match(url.path)
+                if m and m.group(2) is None:
+                    selector = parse_qs(url.query).get("labelSelector", [""])[0]
+                    job = selector.split("=")[-1]
+                    return self._send(
+                        200, {"kind": "PodList", "apiVersion": "v1", "items": fake.pods(job)}
+                    )
+                if m and m.group(3):
+                    text = "\n".join(fake.log_lines) + "\n"
+                    return self._send(200, text.encode(), "text/plain")
+                if m:
+                    pod = next(
+                        (
+                            p
+                            for j in fake.jobs
+                            for p in fake.pods(j)
+                            if p["metadata"]["name"] == m.group(2)
+                        ),
+                        None,
+                    )
+                    return self._send(200, pod) if pod else self._not_found("pod")
+                self._not_found(url.path)
+
+        self.server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.host = f"http://127.0.0.1:{self.server.server_address[1]}"
+
+    def record(self, method: str, path: str) -> None:
+        with self.lock:
+            self.requests.append((method, path))
+
+    def job(self, name: str) -> dict:
+        obj = dict(self.jobs[name])
+        obj["status"] = {
+            "conditions": self.script[min(self.steps[name], len(self.script) - 1)],
+            "replicaStatuses": {"Worker": {"active": 1}},
+        }
+        return obj
+
+    def advance(self, name: str) -> dict:
+        with self.lock:
+            obj = self.job(name)
+            self.steps[name] += 1
+        return obj
+
+    def pods(self, job: str) -> list[dict]:
+        if job not in self.jobs:
+            return []
+        n = self.jobs[job]["spec"]["jaxReplicaSpecs"]["Worker"].get("replicas", 1)
+        return [
+            {
+                "kind": "Pod",
+                "apiVersion": "v1",
+                "metadata": {
+                    "name": f"{job}-worker-{i}",
+                    "namespace": "ns",
+                    "labels": {"training.kubeflow.org/job-name": job},
+                },
+                "status": {"phase": "Failed" if i == self.failed_pod else "Running"},
+            }
+            for i in range(n)
+        ]
+
+    def count(self, method: str, fragment: str = "") -> int:
+        return sum(1 for m, p in self.requests if m == method and fragment in p)
+
+    def __enter__(self) -> FakeKubernetes:
+        threading.Thread(target=self.server.serve_forever, daemon=True).start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.server.shutdown()
+        self.server.server_close()
+
+    def client_configuration(self):
+        from kubernetes import client
+
+        cfg = client.Configuration()
+        cfg.host = self.host
+        return cfg
