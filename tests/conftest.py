@@ -108,3 +108,70 @@ def tiny_args(model_dir: Path, data_dir: Path, out_dir: Path, **overrides) -> li
 def copy_tree(src: Path, dst: Path) -> Path:
     shutil.copytree(src, dst, symlinks=True)
     return dst
+
+
+@pytest.fixture(scope="session")
+def trained_tiny(tmp_path_factory, tiny_model_dir, prepared) -> Path:
+    """A tiny model trained for a few steps; its output folder (model/, metrics.json)."""
+    from kubejax.trainer.train import main
+
+    out = tmp_path_factory.mktemp("trained") / "out"
+    assert main(tiny_args(tiny_model_dir, prepared, out, max_steps=30, learning_rate=3e-3)) == 0
+    return out
+
+
+def free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture(scope="session")
+def mlflow_server(tmp_path_factory):
+    """A real `mlflow server` on 127.0.0.1 (sqlite store, temporary artifact root)."""
+    import subprocess
+    import time
+    import urllib.request
+
+    root = tmp_path_factory.mktemp("mlflow")
+    port = free_port()
+    proc = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "mlflow",
+            "server",
+            "--host",
+            "127.0.0.1",
+            "--port",
+            str(port),
+            "--backend-store-uri",
+            f"sqlite:///{root / 'mlflow.db'}",
+            "--artifacts-destination",
+            str(root / "artifacts"),
+            "--workers",
+            "1",
+        ],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+        start_new_session=True,
+    )
+    uri = f"http://127.0.0.1:{port}"
+    deadline = time.monotonic() + 90
+    while True:
+        try:
+            urllib.request.urlopen(f"{uri}/health", timeout=1)
+            break
+        except OSError:
+            if proc.poll() is not None or time.monotonic() > deadline:
+                proc.kill()
+                raise RuntimeError("mlflow server did not start") from None
+            time.sleep(0.3)
+    yield uri
+    import os
+    import signal
+
+    os.killpg(proc.pid, signal.SIGTERM)
+    proc.wait(30)

@@ -92,6 +92,7 @@ class MlflowTracker(Tracker):
         self.tracking_uri = tracking_uri
         self.client = MlflowClient(tracking_uri)
         try:
+            self._check_reachable()
             if run_id:
                 self.run_id = self.client.get_run(run_id).info.run_id
                 self.client.update_run(run_id, status="RUNNING")
@@ -115,6 +116,26 @@ class MlflowTracker(Tracker):
         self._thread = threading.Thread(target=self._send_loop, name="mlflow-batch", daemon=True)
         self._thread.start()
         self._errors: list[str] = []
+
+    def _check_reachable(self) -> None:
+        """Fail in seconds, not after MLflow's minutes of retries, when the server is down."""
+        if not self.tracking_uri.startswith(("http://", "https://")):
+            return
+        quick = {
+            "MLFLOW_HTTP_REQUEST_MAX_RETRIES": "1",
+            "MLFLOW_HTTP_REQUEST_BACKOFF_FACTOR": "1",
+            "MLFLOW_HTTP_REQUEST_TIMEOUT": "10",
+        }
+        saved = {k: os.environ.get(k) for k in quick}
+        os.environ.update(quick)
+        try:
+            self.client.search_experiments(max_results=1)
+        finally:
+            for k, v in saved.items():
+                if v is None:
+                    os.environ.pop(k, None)
+                else:
+                    os.environ[k] = v
 
     def _send_loop(self) -> None:
         from mlflow.entities import Metric

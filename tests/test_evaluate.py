@@ -1,0 +1,62 @@
+"""Evaluation: metrics, the report and bad inputs."""
+
+from __future__ import annotations
+
+import json
+import shutil
+
+import numpy as np
+import pytest
+from sklearn.metrics import confusion_matrix, f1_score, precision_recall_fscore_support
+
+from kubejax.evaluate import (
+    EvaluationError,
+    classification_metrics,
+    evaluate_model,
+    write_eval_report,
+)
+
+
+def test_classification_metrics_agree_with_sklearn():
+    rng = np.random.default_rng(0)
+    y, p = rng.integers(0, 4, 500), rng.integers(0, 4, 500)
+    m = classification_metrics(y, p, 4)
+    assert m["accuracy"] == pytest.approx((y == p).mean())
+    assert m["macro_f1"] == pytest.approx(f1_score(y, p, average="macro"))
+    prec, rec, f1, support = precision_recall_fscore_support(y, p)
+    np.testing.assert_allclose(m["precision"], prec)
+    np.testing.assert_allclose(m["recall"], rec)
+    assert m["support"] == support.tolist()
+    assert m["confusion_matrix"] == confusion_matrix(y, p).tolist()
+
+
+def test_evaluate_a_trained_model(trained_tiny, prepared, tmp_path):
+    r = evaluate_model(trained_tiny / "model", prepared)
+    assert r["examples"] == 300 and len(r["predictions"]) == 300
+    assert 0 <= r["accuracy"] <= 1 and r["loss"] > 0 and r["examples_per_s"] > 0
+    assert np.array(r["confusion_matrix"]).sum() == 300
+    write_eval_report(r, tmp_path / "e.html")
+    assert "Confusion matrix" in (tmp_path / "e.html").read_text()
+
+
+def test_model_with_missing_files(trained_tiny, prepared, tmp_path):
+    broken = shutil.copytree(trained_tiny / "model", tmp_path / "m")
+    (broken / "model.safetensors").unlink()
+    with pytest.raises(EvaluationError, match="model: .* lacks model.safetensors"):
+        evaluate_model(broken, prepared)
+
+
+def test_dataset_without_test_split(trained_tiny, prepared, tmp_path):
+    data = shutil.copytree(prepared, tmp_path / "d")
+    shutil.rmtree(data / "test")
+    with pytest.raises(EvaluationError, match="no 'test' split"):
+        evaluate_model(trained_tiny / "model", data)
+
+
+def test_num_labels_disagree(trained_tiny, prepared, tmp_path):
+    data = shutil.copytree(prepared, tmp_path / "d")
+    meta = json.loads((data / "metadata.json").read_text())
+    meta["num_labels"] = 3
+    (data / "metadata.json").write_text(json.dumps(meta))
+    with pytest.raises(EvaluationError, match="num_labels: the model has 5 classes"):
+        evaluate_model(trained_tiny / "model", data)
