@@ -14,6 +14,7 @@ re-attaches to the trials' jobs that are still running.
 
 from __future__ import annotations
 
+import itertools
 import json
 import math
 import time
@@ -143,7 +144,10 @@ def _grid(space: dict[str, dict]) -> dict[str, list]:
 def make_sampler(algorithm: str, space: dict[str, dict], seed: int) -> optuna.samplers.BaseSampler:
     """The Optuna sampler for an algorithm name."""
     if algorithm == "grid":
-        return optuna.samplers.GridSampler(_grid(space), seed=seed)
+        # Grid points are enqueued by `tune` (GridSampler stops the study from inside, which
+        # the ask/tell loop does not allow); the sampler only validates the grid here.
+        _grid(space)
+        return optuna.samplers.RandomSampler(seed=seed)
     if algorithm == "random":
         return optuna.samplers.RandomSampler(seed=seed)
     if algorithm == "tpe":
@@ -279,7 +283,14 @@ def tune(
     )
     optuna.logging.set_verbosity(optuna.logging.WARNING)
     if cfg.algorithm == "grid":
-        cfg.max_trials = min(cfg.max_trials, math.prod(len(v) for v in _grid(cfg.space).values()))
+        grid = _grid(cfg.space)
+        points = [
+            dict(zip(grid, combo, strict=True)) for combo in itertools.product(*grid.values())
+        ]
+        cfg.max_trials = min(cfg.max_trials, len(points))
+        if not study.get_trials(deepcopy=False):
+            for point in points[: cfg.max_trials]:
+                study.enqueue_trial(point)
     trials_root = Path(trials_root)
     trials_root.mkdir(parents=True, exist_ok=True)
     active: dict[int, _Active] = {}
@@ -304,7 +315,8 @@ def tune(
     ]
 
     def launched() -> int:
-        return len(study.get_trials(deepcopy=False))
+        waiting = optuna.trial.TrialState.WAITING  # enqueued grid points not yet started
+        return sum(t.state != waiting for t in study.get_trials(deepcopy=False))
 
     def finish(number: int, state, value=None, reason: str = "") -> None:
         a = active.pop(number)
@@ -619,7 +631,7 @@ def sweep_with_jaxjobs(
         image=image,
         replicas=replicas,
         data_dir=data_dir,
-        hyperparameters=hyperparameters,
+        hyperparameters={"mlflow_experiment": mlflow_experiment, **hyperparameters},
         parent_run_id=tracker.run_id or "",
         task_config=task_config,
         mlflow_tracking_uri=tracker.tracking_uri or "",

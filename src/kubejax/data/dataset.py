@@ -62,8 +62,10 @@ def load_split(data_dir: str | Path, split: str, *, with_text: bool = False) -> 
         ds = datasets.load_from_disk(str(path))
     except (IndexError, FileNotFoundError, ValueError) as err:
         # datasets cannot load a split saved with no rows (no shards)
-        raise DatasetError(f"data_dir: the {split!r} split of {data_dir} is empty or unreadable "
-                           f"({type(err).__name__}: {err})") from err
+        raise DatasetError(
+            f"data_dir: the {split!r} split of {data_dir} is empty or unreadable "
+            f"({type(err).__name__}: {err})"
+        ) from err
     if len(ds) == 0:
         return TokenizedSplit(np.zeros(0, np.int32), np.zeros(1, np.int64), np.zeros(0, np.int32))
     table = ds.data.table

@@ -304,8 +304,10 @@ def stratified_cap(labels: np.ndarray, cap: int, rng: np.random.Generator) -> np
     take = np.floor(quota).astype(int)
     extra = np.argsort(-(quota - take), kind="stable")[: cap - take.sum()]
     take[extra] += 1
-    picked = [rng.choice(np.flatnonzero(labels == c), size=k, replace=False)
-              for c, k in zip(classes, take, strict=True)]
+    picked = [
+        rng.choice(np.flatnonzero(labels == c), size=k, replace=False)
+        for c, k in zip(classes, take, strict=True)
+    ]
     return np.sort(np.concatenate(picked))
 
 
