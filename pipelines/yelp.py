@@ -255,11 +255,11 @@ def yelp_pipeline(
         mlflow_tracking_uri,
         mlflow_experiment,
     )
-    with dsl.If(
-        evaluated.outputs["accuracy"] >= register_threshold, name="accuracy-clears-threshold"
-    ):
+    # kfp.local resolves conditions on a task's single `Output` only: evaluate returns the
+    # accuracy as that, and hands the model URI over as an artifact.
+    with dsl.If(evaluated.outputs["Output"] >= register_threshold, name="accuracy-clears-bar"):
         reg = register_model(
-            model_uri=evaluated.outputs["model_uri"],
+            mlflow_model=evaluated.outputs["mlflow_model"],
             model_name=registered_model_name,
             mlflow_tracking_uri=mlflow_tracking_uri,
         )

@@ -2,9 +2,31 @@
 
 from __future__ import annotations
 
+import ast
+import re
 from pathlib import Path
 
 from kfp import compiler
+
+_DICT_DEFAULT = re.compile(r"^(#\s+\w+: dict \[Default: )(\{.*\})(\])$")
+
+
+def _stable_header(path: Path) -> None:
+    """Sort the keys of dict defaults in kfp's header comment.
+
+    kfp prints those defaults from a protobuf Struct, whose map order changes from one process
+    to the next; sorting makes a compile reproducible, so `compiled/` can be checked against a
+    fresh one.
+    """
+    lines = path.read_text().splitlines(keepends=True)
+    for i, line in enumerate(lines):
+        if not line.startswith("#"):
+            break
+        m = _DICT_DEFAULT.match(line.rstrip("\n"))
+        if m:
+            value = ast.literal_eval(m.group(2))
+            lines[i] = f"{m.group(1)}{dict(sorted(value.items()))}{m.group(3)}\n"
+    path.write_text("".join(lines))
 
 
 def compile_all(output_dir: str | Path = "compiled") -> list[Path]:
@@ -23,4 +45,6 @@ def compile_all(output_dir: str | Path = "compiled") -> list[Path]:
         path = out / "components" / f"{name.replace('_', '-')}.yaml"
         compiler.Compiler().compile(getattr(components, name), str(path))
         written.append(path)
+    for path in written:
+        _stable_header(path)
     return written

@@ -1,0 +1,162 @@
+"""The whole Yelp pipeline end to end under kfp.local, and the compiled pipelines."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import yaml
+from google.protobuf import json_format
+
+from kubejax.compile import compile_all
+
+ROOT = Path(__file__).parents[1]
+
+
+@pytest.fixture(scope="module")
+def local_run(tmp_path_factory, tiny_model_dir):
+    from kubejax.local_run import run_local
+
+    workdir = tmp_path_factory.mktemp("pipeline") / "run"
+    common = {
+        "global_batch_size": 8,
+        "max_length": 64,
+        "eval_batch_size": 32,
+        "log_every": 2,
+        "learning_rate": 3e-3,
+    }
+    overrides = [
+        f"base_model={tiny_model_dir}",
+        "max_trials=2",
+        "parallelism=2",
+        f"trial_hyperparameters={json.dumps({**common, 'max_steps': 6, 'eval_every': 3})}",
+        f"train_hyperparameters={json.dumps({**common, 'max_steps': 30, 'eval_every': 10})}",
+        "register_threshold=0.0",
+        "max_test_samples=200",
+    ]
+    summary = run_local(workdir, overrides)
+    return workdir, summary
+
+
+def _artifact(workdir: Path, task: str, name: str) -> Path:
+    found = sorted((workdir / "pipeline-root").glob(f"*/{task}/{name}"))
+    assert found, f"no {task}/{name} artifact"
+    return found[-1]
+
+
+@pytest.mark.slow
+def test_pipeline_summary_and_outputs(local_run):
+    workdir, summary = local_run
+    on_disk = json.loads((workdir / "summary.json").read_text())
+    assert on_disk == summary
+    for key in (
+        "accuracy",
+        "macro_f1",
+        "majority_baseline",
+        "best_params",
+        "trials",
+        "mlflow_tracking_uri",
+        "model_uri",
+        "wall_s",
+    ):
+        assert key in summary, key
+    assert 0.0 <= summary["accuracy"] <= 1.0 and 0.0 < summary["majority_baseline"] < 0.5
+    assert sum(summary["trials"].values()) == 2 and summary["trials"]["failed"] == 0
+    assert set(summary["best_params"]) == {"learning_rate", "warmup_ratio"}
+    assert summary["model_uri"].startswith("models:/")
+    for task, name in [
+        ("prepare-yelp", "dataset"),
+        ("prepare-yelp", "report"),
+        ("tune-sweep", "trials"),
+        ("tune-sweep", "report"),
+        ("train", "model"),
+        ("train", "report"),
+        ("evaluate", "report"),
+        ("evaluate", "mlflow_model"),
+    ]:
+        assert _artifact(workdir, task, name).exists()
+    assert (_artifact(workdir, "train", "model") / "model.safetensors").is_file()
+
+
+@pytest.mark.slow
+def test_pipeline_html_reports_hold_the_curves(local_run):
+    workdir, _ = local_run
+    train = _artifact(workdir, "train", "report").read_text()
+    assert "<polyline" in train and "train loss" in train and "eval accuracy" in train
+    assert "Resources per worker" in train and "peak_rss_mb" in train
+    sweep = _artifact(workdir, "tune-sweep", "report").read_text()
+    assert "Optimization history" in sweep and "<polyline" in sweep
+    evaluation = _artifact(workdir, "evaluate", "report").read_text()
+    assert "Confusion matrix" in evaluation
+
+
+@pytest.mark.slow
+def test_pipeline_mlflow_store(local_run):
+    from mlflow.tracking import MlflowClient
+
+    _, summary = local_run
+    client = MlflowClient(summary["mlflow_tracking_uri"])
+    exp = client.get_experiment_by_name(summary["mlflow_experiment"])
+    runs = client.search_runs([exp.experiment_id])
+    sweep = client.get_run(summary["sweep_run_id"])
+    children = [r for r in runs if r.data.tags.get("mlflow.parentRunId") == sweep.info.run_id]
+    assert len(children) == 2
+    train = client.get_run(summary["training_run_id"])
+    assert train.data.tags["kfp.task_name"] == "train"
+    assert train.data.tags["kfp.run_id"] and train.data.tags["kubejax.jaxjob"]
+    assert sweep.data.tags["kfp.run_id"] == train.data.tags["kfp.run_id"]
+    assert {"loss", "eval_accuracy", "test_accuracy", "test_macro_f1"} <= set(train.data.metrics)
+    assert any(k.startswith("system/") for k in train.data.metrics)
+    assert train.data.params["num_processes"] == "2"
+    versions = client.search_model_versions("name='kubejax-yelp-local'")
+    assert len(versions) == 1
+
+
+def test_compiled_matches_a_fresh_compile(tmp_path):
+    compile_all(tmp_path)
+    fresh = sorted(p.relative_to(tmp_path) for p in tmp_path.rglob("*.yaml"))
+    committed = sorted(
+        p.relative_to(ROOT / "compiled") for p in (ROOT / "compiled").rglob("*.yaml")
+    )
+    assert fresh == committed
+    for rel in fresh:
+        assert (tmp_path / rel).read_text() == (ROOT / "compiled" / rel).read_text(), rel
+
+
+@pytest.mark.parametrize("name", ["kubejax-yelp", "kubejax-train-eval"])
+def test_compiled_pipeline_parses_as_kfp_protos(name):
+    from kfp.kubernetes import kubernetes_executor_config_pb2 as k8s_pb2
+    from kfp.pipeline_spec import pipeline_spec_pb2
+
+    docs = list(yaml.safe_load_all((ROOT / "compiled" / f"{name}.yaml").read_text()))
+    spec = json_format.ParseDict(docs[0], pipeline_spec_pb2.PipelineSpec())
+    assert spec.pipeline_info.name == name
+    assert "workspace" in json.dumps(docs[0]).lower()
+    executors = docs[1]["platforms"]["kubernetes"]["deploymentSpec"]["executors"]
+    configs = {
+        k: json_format.ParseDict(v, k8s_pb2.KubernetesExecutorConfig())
+        for k, v in executors.items()
+    }
+    train = configs["exec-train"]
+    assert train.secret_as_env[0].secret_name == "mlflow-credentials"
+    train_exec = docs[0]["deploymentSpec"]["executors"]["exec-train"]["container"]
+    assert train_exec["image"].startswith("ghcr.io/kubejax/kubejax:")
+    passthroughs = docs[0]["components"]["comp-train"].get("taskConfigPassthroughs", [])
+    fields = {p["field"] for p in passthroughs}
+    assert {
+        "RESOURCES",
+        "ENV",
+        "KUBERNETES_VOLUMES",
+        "KUBERNETES_NODE_SELECTOR",
+        "KUBERNETES_TOLERATIONS",
+        "KUBERNETES_AFFINITY",
+    } <= fields
+
+
+def test_component_yamls_load_for_reuse():
+    from kfp import components
+
+    for path in (ROOT / "compiled" / "components").glob("*.yaml"):
+        comp = components.load_component_from_file(str(path))
+        assert comp.component_spec.implementation.container.image.startswith("ghcr.io/kubejax")
