@@ -1,10 +1,12 @@
-"""Create a run of a compiled pipeline on a KFP server (`kubejax submit`)."""
+"""Upload the compiled pipeline to a KFP server and create a run of it (`kubejax submit`)."""
 
 from __future__ import annotations
 
+import time
 from pathlib import Path
 
-from kubejax.local_run import parse_params
+from kubejax.local_run import parse_params, pipeline_inputs
+from kubejax.version import __version__
 
 COMPILED = Path(__file__).resolve().parents[2] / "compiled"
 
@@ -35,28 +37,40 @@ def submit(
     package: str | None = None,
     run_name: str | None = None,
 ) -> str:
-    """Upload-free run creation from the compiled YAML; returns the run's URL.
+    """Upload `pipeline` (a new version when it exists), create a run; return the run's URL.
 
     The token comes from the kfp client's usual sources (KF_PIPELINES_SA_TOKEN_PATH, the
     in-cluster service-account token, or the kubeconfig's credentials).
     """
     import kfp
-    import yaml
 
-    from kubejax.local_run import pipeline_inputs
     from kubejax.pipelines.yelp import PIPELINES
 
     if pipeline not in PIPELINES:
         raise ValueError(f"--pipeline: {pipeline!r} is not one of {', '.join(PIPELINES)}")
     path = _package(pipeline, package)
-    name = yaml.safe_load(path.read_text())["pipelineInfo"]["name"]
     arguments = parse_params(params, pipeline_inputs(PIPELINES[pipeline]))
     client = kfp.Client(host=host, namespace=namespace)
-    run = client.create_run_from_pipeline_package(
-        str(path),
-        arguments=arguments,
-        run_name=run_name or f"{name}-run",
-        experiment_name=experiment,
-        namespace=namespace,
+    exp = client.create_experiment(experiment, namespace=namespace)
+    stamp = time.strftime("%Y%m%d-%H%M%S")
+    pipeline_id = client.get_pipeline_id(pipeline)
+    if pipeline_id is None:
+        uploaded = client.upload_pipeline(str(path), pipeline_name=pipeline, namespace=namespace)
+        pipeline_id = uploaded.pipeline_id
+        version_id = client.list_pipeline_versions(pipeline_id).pipeline_versions[0]
+        version_id = version_id.pipeline_version_id
+    else:
+        version = client.upload_pipeline_version(
+            str(path),
+            pipeline_version_name=f"{pipeline}-{__version__}-{stamp}",
+            pipeline_id=pipeline_id,
+        )
+        version_id = version.pipeline_version_id
+    run = client.run_pipeline(
+        experiment_id=exp.experiment_id,
+        job_name=run_name or f"{pipeline}-{stamp}",
+        pipeline_id=pipeline_id,
+        version_id=version_id,
+        params=arguments,
     )
     return f"{host.rstrip('/')}/#/runs/details/{run.run_id}"

@@ -1,0 +1,153 @@
+"""The kubejax command line: help, jaxjob render/run, submit against a FAKE KFP API."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import yaml
+
+from kubejax.cli import main
+from tests.conftest import tiny_args
+from tests.fake_kfp import FakeKFP
+
+SUBCOMMANDS = [
+    ["prepare"],
+    ["jaxjob"],
+    ["jaxjob", "render"],
+    ["jaxjob", "run"],
+    ["tune"],
+    ["evaluate"],
+    ["compile"],
+    ["run"],
+    ["submit"],
+]
+
+
+@pytest.mark.parametrize("cmd", SUBCOMMANDS, ids=[" ".join(c) for c in SUBCOMMANDS])
+def test_every_subcommand_has_help(cmd, capsys):
+    with pytest.raises(SystemExit) as exit_:
+        main([*cmd, "--help"])
+    assert exit_.value.code == 0
+    assert "usage: kubejax" in capsys.readouterr().out
+
+
+def test_console_script_help():
+    out = subprocess.run(
+        [Path(sys.executable).parent / "kubejax", "--help"],
+        check=True,
+        capture_output=True,
+        text=True,
+    ).stdout
+    assert "submit" in out and "jaxjob" in out
+
+
+def test_jaxjob_render_prints_a_manifest(capsys):
+    code = main(
+        [
+            "jaxjob",
+            "render",
+            "--name",
+            "demo",
+            "--replicas",
+            "3",
+            "--gpus",
+            "1",
+            "--env",
+            "A=1",
+            "--",
+            "--model",
+            "bert",
+            "--data-dir",
+            "/d",
+        ]
+    )
+    assert code == 0
+    m = yaml.safe_load(capsys.readouterr().out)
+    worker = m["spec"]["jaxReplicaSpecs"]["Worker"]
+    container = worker["template"]["spec"]["containers"][0]
+    assert worker["replicas"] == 3 and container["args"] == ["--model", "bert", "--data-dir", "/d"]
+    assert container["resources"]["limits"]["nvidia.com/gpu"] == 1
+
+
+def test_jaxjob_render_rejects_a_bad_name(capsys):
+    assert main(["jaxjob", "render", "--name", "Bad_Name"]) == 2
+    assert "name:" in capsys.readouterr().err
+
+
+@pytest.mark.slow
+def test_jaxjob_run_local_two_workers(tmp_path, tiny_model_dir, prepared, capsys):
+    out = tmp_path / "o"
+    code = main(
+        [
+            "jaxjob",
+            "run",
+            "--local",
+            "--replicas",
+            "2",
+            "--name",
+            "cli-run",
+            "--log-dir",
+            str(tmp_path / "logs"),
+            "--",
+            *tiny_args(tiny_model_dir, prepared, out, max_steps=4),
+        ]
+    )
+    assert code == 0
+    printed = capsys.readouterr().out
+    assert "[worker-0]" in printed and "[worker-1]" in printed and "Succeeded" in printed
+    assert json.loads((out / "metrics.json").read_text())["final"]["num_processes"] == 2
+
+
+def test_run_local_rejects_unknown_and_bad_params(tmp_path, capsys):
+    assert main(["run", "--local", "--workdir", str(tmp_path), "--param", "nope=1"]) == 2
+    assert "unknown parameter 'nope'" in capsys.readouterr().err
+    assert main(["run", "--local", "--workdir", str(tmp_path), "--param", "max_trials=many"]) == 2
+    assert "max_trials" in capsys.readouterr().err
+
+
+def test_submit_uploads_and_creates_a_run_on_a_fake_kfp(capsys):
+    with FakeKFP() as fake:
+        code = main(
+            [
+                "submit",
+                "--host",
+                fake.host,
+                "--experiment",
+                "exp",
+                "--param",
+                "max_trials=3",
+                "--param",
+                "source=s3://bucket/yelp",
+            ]
+        )
+        assert code == 0
+        assert capsys.readouterr().out.strip().splitlines()[-1] == f"{fake.host}/#/runs/details/r-1"
+        uploads = fake.posted("/apis/v2beta1/pipelines/upload")
+        assert len(uploads) == 1 and b"kubejax-yelp" in uploads[0]
+        run = json.loads(fake.posted("/apis/v2beta1/runs")[0])
+        assert run["experiment_id"] == "e-1"
+        assert run["pipeline_version_reference"] == {
+            "pipeline_id": "p-1",
+            "pipeline_version_id": "v-1",
+        }
+        assert run["runtime_config"]["parameters"] == {
+            "max_trials": 3,
+            "source": "s3://bucket/yelp",
+        }
+
+
+def test_submit_adds_a_version_to_an_existing_pipeline(capsys):
+    with FakeKFP(existing_pipeline=True) as fake:
+        assert main(["submit", "--host", fake.host]) == 0
+        assert len(fake.posted("/apis/v2beta1/pipelines/upload_version")) == 1
+        run = json.loads(fake.posted("/apis/v2beta1/runs")[0])
+        assert run["pipeline_version_reference"]["pipeline_version_id"] == "v-2"
+
+
+def test_submit_rejects_unknown_params(capsys):
+    assert main(["submit", "--host", "http://127.0.0.1:9", "--param", "nope=1"]) == 2
+    assert "unknown parameter" in capsys.readouterr().err
