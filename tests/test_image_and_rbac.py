@@ -1,0 +1,92 @@
+"""The image agrees with pyproject; the RBAC Role grants exactly what the launcher uses."""
+
+from __future__ import annotations
+
+import re
+import tomllib
+from pathlib import Path
+
+import yaml
+from packaging.specifiers import SpecifierSet
+from packaging.version import Version
+
+from kubejax.jaxjob.client import JAXJobClient
+from kubejax.jaxjob.launch import run_job
+from kubejax.jaxjob.spec import JAXJobSpec
+from kubejax.version import IMAGE, IMAGE_REPOSITORY, __version__
+from tests.jaxjob.fake_k8s import FakeKubernetes, condition
+
+ROOT = Path(__file__).parents[1]
+PYPROJECT = tomllib.loads((ROOT / "pyproject.toml").read_text())
+DOCKERFILE = (ROOT / "trainer_image" / "Dockerfile").read_text()
+
+
+def test_image_python_is_allowed_by_pyproject():
+    base = re.search(r"^FROM python:(\d+\.\d+)", DOCKERFILE, re.M).group(1)
+    assert base == "3.12"
+    assert Version(f"{base}.0") in SpecifierSet(PYPROJECT["project"]["requires-python"])
+
+
+def test_image_installs_the_package_with_pyprojects_pins():
+    # The image installs `.` (or `.[cuda]`), so every version comes from pyproject.toml; any
+    # explicit pin in the Dockerfile must satisfy pyproject's range for that package.
+    assert "pip install . ;;" in DOCKERFILE and 'pip install ".[cuda]"' in DOCKERFILE
+    deps = {re.split(r"[<>=\[ ]", d)[0]: d for d in PYPROJECT["project"]["dependencies"]}
+    for name, version in re.findall(r"([A-Za-z0-9_.-]+)==([0-9][\w.]*)", DOCKERFILE):
+        spec = SpecifierSet(deps[name][len(name) :].split(";")[0])
+        assert Version(version) in spec, (name, version)
+    cuda = PYPROJECT["project"]["optional-dependencies"]["cuda"]
+    jax = next(d for d in PYPROJECT["project"]["dependencies"] if d.startswith("jax>="))
+    assert any(d.startswith("jax[cuda12]") and d.endswith(jax.removeprefix("jax")) for d in cuda)
+
+
+def test_image_runs_as_non_root_and_tag_follows_the_version():
+    assert re.search(r"^USER 1000$", DOCKERFILE, re.M)
+    assert IMAGE == f"{IMAGE_REPOSITORY}:{__version__}"
+    makefile = (ROOT / "Makefile").read_text()
+    assert "src/kubejax/version.py" in makefile and "kubejax:$(VERSION)" in makefile
+    compiled = (ROOT / "compiled" / "kubejax-yelp.yaml").read_text()
+    assert f"image: {IMAGE}" in compiled
+
+
+def _verb(method: str, path: str) -> tuple[str, str]:
+    resource = (
+        "pods/log"
+        if path.split("?")[0].endswith("/log")
+        else ("jaxjobs" if "/jaxjobs" in path else "pods")
+    )
+    named = not path.split("?")[0].rstrip("/").endswith(("/jaxjobs", "/pods"))
+    verb = {"POST": "create", "DELETE": "delete"}.get(method, "get" if named else "list")
+    return resource, verb
+
+
+def test_fake_rbac_role_grants_exactly_what_the_launcher_uses():
+    role = next(
+        d
+        for d in yaml.safe_load_all((ROOT / "manifests" / "rbac.yaml").read_text())
+        if d["kind"] == "Role"
+    )
+    granted = {(r, v) for rule in role["rules"] for r in rule["resources"] for v in rule["verbs"]}
+    used = set()
+    script_ok = [[condition("Created")], [condition("Created"), condition("Succeeded")]]
+    script_bad = [[condition("Created"), condition("Failed", "X", "y")]]
+    for script, failed_pod in ((script_ok, None), (script_bad, 0)):
+        with FakeKubernetes(script=script, failed_pod=failed_pod) as fake:
+            client = JAXJobClient(
+                "kubernetes", namespace="ns", client_configuration=fake.client_configuration()
+            )
+            spec = JAXJobSpec(name="rbac", image="i", command=["python"])
+            try:
+                run_job(
+                    client,
+                    spec,
+                    timeout=30,
+                    polling_interval=0.05,
+                    log=lambda _: None,
+                    delete="always",
+                )
+            except Exception:  # the failing script raises JobFailedError
+                pass
+            client.list_jobs()
+            used |= {_verb(m, p) for m, p in fake.requests}
+    assert used == granted
