@@ -43,17 +43,21 @@ def evaluate(
     Returns:
         The test accuracy (what the pipeline's registration gate compares).
     """
+    import time
+
     import pandas as pd
 
     from kubejax import tracking
     from kubejax.evaluate import evaluate_model, save_predictions, write_eval_report
 
+    t0 = time.monotonic()
     result = evaluate_model(model.path, dataset.path, split=split, batch_size=batch_size)
     names = result["label_names"]
     for key in ("accuracy", "macro_f1", "loss", "majority_baseline", "examples_per_s"):
         metrics.log_metric(key, float(result[key]))
     for name, f1 in zip(names, result["f1"]):
         metrics.log_metric(f"f1_{name}", float(f1))
+    metrics.log_metric("wall_s", round(time.monotonic() - t0, 2))
     confusion_matrix.log_confusion_matrix(names, result["confusion_matrix"])
     write_eval_report(result, report.path)
 

@@ -1,5 +1,7 @@
 """The `train` component: fine-tuning as a Training Operator JAXJob."""
 
+from typing import NamedTuple
+
 from kfp import dsl
 from kfp.dsl import HTML, Dataset, Input, Metrics, Model, Output
 
@@ -33,7 +35,7 @@ def train(
     mlflow_experiment: str = "kubejax",
     run_id: str = "",
     task_config: dsl.TaskConfig = None,
-) -> str:
+) -> NamedTuple("Outputs", mlflow_run_id=str, job_name=str):
     """Train a BERT-family classifier as a JAXJob with `replicas` workers.
 
     What the pipeline sets on this task (GPU limits, env and secrets, volumes, node selector,
@@ -61,7 +63,7 @@ def train(
         task_config: Filled by KFP from the task's settings.
 
     Returns:
-        The MLflow run id of the training run ('' when tracking is off).
+        mlflow_run_id: the training run ('' when tracking is off); job_name: the JAXJob.
     """
     import os
 
@@ -135,4 +137,5 @@ def train(
                 title=f"Training: JAXJob {result['job_name']}",
             )
         )
-    return result["mlflow_run_id"]
+    outputs = NamedTuple("Outputs", mlflow_run_id=str, job_name=str)
+    return outputs(result["mlflow_run_id"], result["job_name"])

@@ -251,7 +251,7 @@ def yelp_pipeline(
     evaluated = _evaluate(
         trained.outputs["model"],
         prep.outputs["dataset"],
-        trained.outputs["Output"],
+        trained.outputs["mlflow_run_id"],
         mlflow_tracking_uri,
         mlflow_experiment,
     )
@@ -337,7 +337,7 @@ def train_eval_pipeline(
     _evaluate(
         trained.outputs["model"],
         prep.outputs["dataset"],
-        trained.outputs["Output"],
+        trained.outputs["mlflow_run_id"],
         mlflow_tracking_uri,
         mlflow_experiment,
     )

@@ -23,7 +23,7 @@ def test_classification_metrics_agree_with_sklearn():
     m = classification_metrics(y, p, 4)
     assert m["accuracy"] == pytest.approx((y == p).mean())
     assert m["macro_f1"] == pytest.approx(f1_score(y, p, average="macro"))
-    prec, rec, f1, support = precision_recall_fscore_support(y, p)
+    prec, rec, _, support = precision_recall_fscore_support(y, p)
     np.testing.assert_allclose(m["precision"], prec)
     np.testing.assert_allclose(m["recall"], rec)
     assert m["support"] == support.tolist()
@@ -42,7 +42,7 @@ def test_evaluate_a_trained_model(trained_tiny, prepared, tmp_path):
 def test_model_with_missing_files(trained_tiny, prepared, tmp_path):
     broken = shutil.copytree(trained_tiny / "model", tmp_path / "m")
     (broken / "model.safetensors").unlink()
-    with pytest.raises(EvaluationError, match="model: .* lacks model.safetensors"):
+    with pytest.raises(EvaluationError, match=r"model: .* lacks model\.safetensors"):
         evaluate_model(broken, prepared)
 
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import re
 import tomllib
 from pathlib import Path
@@ -10,7 +11,7 @@ import yaml
 from packaging.specifiers import SpecifierSet
 from packaging.version import Version
 
-from kubejax.jaxjob.client import JAXJobClient
+from kubejax.jaxjob.client import JAXJobClient, JobFailedError
 from kubejax.jaxjob.launch import run_job
 from kubejax.jaxjob.spec import JAXJobSpec
 from kubejax.version import IMAGE, IMAGE_REPOSITORY, __version__
@@ -42,7 +43,7 @@ def test_image_installs_the_package_with_pyprojects_pins():
 
 def test_image_runs_as_non_root_and_tag_follows_the_version():
     assert re.search(r"^USER 1000$", DOCKERFILE, re.M)
-    assert IMAGE == f"{IMAGE_REPOSITORY}:{__version__}"
+    assert f"{IMAGE_REPOSITORY}:{__version__}" == IMAGE
     makefile = (ROOT / "Makefile").read_text()
     assert "src/kubejax/version.py" in makefile and "kubejax:$(VERSION)" in makefile
     compiled = (ROOT / "compiled" / "kubejax-yelp.yaml").read_text()
@@ -76,7 +77,8 @@ def test_fake_rbac_role_grants_exactly_what_the_launcher_uses():
                 "kubernetes", namespace="ns", client_configuration=fake.client_configuration()
             )
             spec = JAXJobSpec(name="rbac", image="i", command=["python"])
-            try:
+            # The failing script raises JobFailedError.
+            with contextlib.suppress(JobFailedError):
                 run_job(
                     client,
                     spec,
@@ -85,8 +87,6 @@ def test_fake_rbac_role_grants_exactly_what_the_launcher_uses():
                     log=lambda _: None,
                     delete="always",
                 )
-            except Exception:  # the failing script raises JobFailedError
-                pass
             client.list_jobs()
             used |= {_verb(m, p) for m, p in fake.requests}
     assert used == granted

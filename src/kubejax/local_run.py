@@ -121,11 +121,7 @@ def parse_params(pairs: list[str], types: dict[str, str]) -> dict[str, Any]:
 
 
 def _summary_from_mlflow(uri: str, experiment: str) -> dict:
-    from mlflow.tracking import MlflowClient
-
-    client = MlflowClient(uri)
-    exp = client.get_experiment_by_name(experiment)
-    runs = client.search_runs([exp.experiment_id], order_by=["attributes.start_time DESC"])
+    runs = tracking.search_runs(uri, experiment)
     train_run = next(r for r in runs if "test_accuracy" in r.data.metrics)
     sweep = next((r for r in runs if r.data.tags.get("kubejax.step") == "tune-sweep"), None)
     m = train_run.data.metrics

@@ -1,8 +1,9 @@
 """Resource utilisation per worker, and the training-progress report shown in the KFP UI.
 
-Every worker samples its own CPU, memory (and GPU, where there is one) in a background thread
-and writes a summary to `<output_dir>/resources/worker-<i>.json` when it ends; process 0 also
-streams MLflow's system metrics into the training run.
+Every worker samples its own CPU, memory (and device memory, where the device reports it) in a
+background thread and writes a summary to `<output_dir>/resources/worker-<i>.json` when it
+ends; process 0 also streams MLflow's system metrics into the training run (through the
+tracker).
 """
 
 from __future__ import annotations
@@ -99,21 +100,6 @@ def read_worker_summaries(output_dir: str | Path) -> list[dict]:
     folder = Path(output_dir) / "resources"
     files = sorted(folder.glob("worker-*.json"), key=lambda p: int(p.stem.split("-")[1]))
     return [{"worker": int(p.stem.split("-")[1]), **json.loads(p.read_text())} for p in files]
-
-
-def start_system_metrics(run_id: str, tracking_uri: str, node_id: str):
-    """MLflow's own system-metrics monitor for a run (CPU, memory, disk, network, GPU)."""
-    from mlflow.system_metrics.system_metrics_monitor import SystemMetricsMonitor
-
-    monitor = SystemMetricsMonitor(
-        run_id,
-        sampling_interval=SAMPLE_SECONDS,
-        samples_before_logging=1,
-        node_id=node_id,
-        tracking_uri=tracking_uri,
-    )
-    monitor.start()
-    return monitor
 
 
 def training_report(metrics: dict, resources: list[dict], title: str = "Training") -> str:

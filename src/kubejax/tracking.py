@@ -23,6 +23,8 @@ log = logging.getLogger(__name__)
 BATCH_SIZE = 500
 #: A partial batch is sent after this many seconds.
 FLUSH_SECONDS = 5.0
+#: Seconds between system-metrics samples.
+SYSTEM_METRICS_SECONDS = 2.0
 #: MLflow truncates longer parameter values.
 _MAX_PARAM = 6000
 
@@ -55,6 +57,13 @@ class Tracker:
     def log_pyfunc_model(self, model_dir: str | Path, input_example) -> str:
         """Log a model folder as a pyfunc model of this run; returns its URI ('' if none)."""
         return ""
+
+    def start_system_metrics(self, node_id: str):
+        """Sample CPU, memory, disk, network (and GPU) into this run until `.finish()`."""
+        return None
+
+    def update_run(self, run_id: str, tags: Mapping[str, str], status: str | None = None) -> None:
+        """Tag another run of the same store (a sweep trial), optionally ending it."""
 
     def finish(self, status: str = "FINISHED") -> None:
         """Flush everything and end the run (FINISHED, FAILED or KILLED)."""
@@ -210,6 +219,25 @@ class MlflowTracker(Tracker):
         self.client.set_tag(self.run_id, "kubejax.model_uri", info.model_uri)
         return info.model_uri
 
+    def start_system_metrics(self, node_id: str):
+        from mlflow.system_metrics.system_metrics_monitor import SystemMetricsMonitor
+
+        monitor = SystemMetricsMonitor(
+            self.run_id,
+            sampling_interval=SYSTEM_METRICS_SECONDS,
+            samples_before_logging=1,
+            node_id=node_id,
+            tracking_uri=self.tracking_uri,
+        )
+        monitor.start()
+        return monitor
+
+    def update_run(self, run_id: str, tags: Mapping[str, str], status: str | None = None) -> None:
+        for k, v in tags.items():
+            self.client.set_tag(run_id, k, str(v))
+        if status is not None:
+            self.client.set_terminated(run_id, status=status)
+
     def flush(self) -> None:
         """Send everything buffered so far and wait for it."""
         self._queue.put(None)
@@ -278,3 +306,14 @@ def register_model(tracking_uri: str | None, model_uri: str, name: str) -> str:
         raise TrackingError("model_name: required to register a model")
     mlflow.set_tracking_uri(uri)
     return str(mlflow.register_model(model_uri, name).version)
+
+
+def search_runs(tracking_uri: str, experiment: str) -> list:
+    """All runs of an experiment, newest first (mlflow.entities.Run objects)."""
+    from mlflow.tracking import MlflowClient
+
+    client = MlflowClient(tracking_uri)
+    exp = client.get_experiment_by_name(experiment)
+    if exp is None:
+        raise TrackingError(f"mlflow_experiment: no experiment {experiment!r} at {tracking_uri}")
+    return client.search_runs([exp.experiment_id], order_by=["attributes.start_time DESC"])

@@ -415,14 +415,9 @@ def tune(
 
 
 def tracker_tag_trial(tracker: tracking.Tracker, run_id: str, state: str) -> None:
-    """Mark a trial's MLflow run with its sweep state (complete, pruned, failed)."""
-    client = getattr(tracker, "client", None)
-    if client is None:
-        return
-    client.set_tag(run_id, "kubejax.trial_state", state)
-    client.set_terminated(
-        run_id, status={"complete": "FINISHED", "pruned": "KILLED", "failed": "FAILED"}[state]
-    )
+    """Mark a trial's MLflow run with its sweep state (complete, pruned, failed) and end it."""
+    status = {"complete": "FINISHED", "pruned": "KILLED", "failed": "FAILED"}[state]
+    tracker.update_run(run_id, {"kubejax.trial_state": state}, status=status)
 
 
 def _result(study: optuna.Study, cfg: SweepConfig) -> SweepResult:
@@ -655,8 +650,8 @@ def sweep_with_jaxjobs(
         best_run = _read_metrics(str(Path(trials_root) / f"trial-{result.best_trial:03d}")).get(
             "mlflow_run_id"
         )
-        if best_run and getattr(tracker, "client", None) is not None:
-            tracker.client.set_tag(best_run, "kubejax.best_trial", "true")
+        if best_run:
+            tracker.update_run(best_run, {"kubejax.best_trial": "true"})
         status = "FINISHED"
         return result, tracker.run_id or ""
     finally:

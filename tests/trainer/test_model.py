@@ -107,9 +107,9 @@ def test_saved_model_folder_loads_in_transformers_and_back(tmp_path, minilm_dir)
 
 
 def test_checkpoint_folder_problems_are_named(tmp_path):
-    with pytest.raises(FileNotFoundError, match="config.json"):
+    with pytest.raises(FileNotFoundError, match=r"config\.json"):
         weights.load_config(tmp_path)
-    with pytest.raises(FileNotFoundError, match="model.safetensors"):
+    with pytest.raises(FileNotFoundError, match=r"model\.safetensors"):
         weights.read_tensors(tmp_path)
     with pytest.raises(FileNotFoundError, match="not a folder"):
         weights.resolve_model_dir(str(tmp_path / "missing" / "model"))

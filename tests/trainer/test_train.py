@@ -166,7 +166,7 @@ def test_unwritable_output_dir_is_refused(tmp_path, capsys, tiny_model_dir, prep
 
 def test_batch_not_divisible_by_processes():
     cfg = TrainConfig(global_batch_size=9)
-    with pytest.raises(ConfigError, match="global_batch_size: 9 .* 2 devices"):
+    with pytest.raises(ConfigError, match=r"global_batch_size: 9 .* 2 devices"):
         cfg.check_process_count(2)
 
 
@@ -182,3 +182,16 @@ def test_batch_not_divisible_by_two_workers_fails_the_job(tmp_path, tiny_model_d
             tmp_path,
         )
     assert "global_batch_size: 9" in err.value.log_tail
+
+
+def test_gradient_accumulation_equals_the_whole_batch(tmp_path, tiny_model_dir, prepared):
+    whole, accum = tmp_path / "whole", tmp_path / "accum"
+    assert trainer_main(tiny_args(tiny_model_dir, prepared, whole, max_steps=4)) == 0
+    assert (
+        trainer_main(tiny_args(tiny_model_dir, prepared, accum, max_steps=4, grad_accum_steps=2))
+        == 0
+    )
+    np.testing.assert_allclose(_losses(accum), _losses(whole), rtol=1e-5)
+    pa, pb = _params(whole), _params(accum)
+    for k in pa:
+        np.testing.assert_allclose(pb[k], pa[k], rtol=1e-4, atol=1e-6, err_msg=k)

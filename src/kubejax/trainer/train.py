@@ -302,10 +302,7 @@ def train_and_evaluate(cfg: TrainConfig) -> dict:
                     "train_rows": len(train),
                 }
             )
-        if tracker.run_id:
-            system_monitor = monitoring.start_system_metrics(
-                tracker.run_id, tracker.tracking_uri, "worker-0"
-            )
+        system_monitor = tracker.start_system_metrics("worker-0")
         print(
             f"kubejax trainer: {jax.process_count()} process(es), {jax.device_count()} "
             f"{jax.devices()[0].platform} device(s); {len(train)} train rows, {total_steps} steps"

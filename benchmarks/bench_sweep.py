@@ -1,0 +1,79 @@
+"""Trial-steps with pruning against without, at the same best objective, on a fixed search.
+
+    .venv/bin/python benchmarks/bench_sweep.py [--trials 24] [--steps 20]
+
+Trials are real local JAXJobs of a cheap trial program (tests/trial_program.py) whose eval
+metric is known, so the comparison is about the controller and the pruner alone.
+Target: pruning saves at least half the steps.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import tempfile
+from pathlib import Path
+
+ROOT = Path(__file__).parents[1]
+
+
+def main() -> None:
+    from kubejax.jaxjob.client import JAXJobClient
+    from kubejax.jaxjob.spec import JAXJobSpec
+    from kubejax.tune import SweepConfig, tune
+
+    p = argparse.ArgumentParser()
+    p.add_argument("--trials", type=int, default=24)
+    p.add_argument("--steps", type=int, default=20)
+    args = p.parse_args()
+    program = ROOT / "tests" / "trial_program.py"
+
+    def spec(number, params, out, name):
+        flags = ["--output-dir", out, "--steps", str(args.steps), "--sleep", "0.05"]
+        for k, v in params.items():
+            flags += [f"--{k}", str(v)]
+        return JAXJobSpec(
+            name=name, image="local", command=[sys.executable, str(program)], args=flags
+        )
+
+    space = {
+        "x": {"type": "float", "low": 0.0, "high": 1.0},
+        "y": {"type": "float", "low": 0.0, "high": 1.0},
+    }
+    out = {}
+    work = Path(tempfile.mkdtemp(prefix="kubejax-bench-sweep-"))
+    client = JAXJobClient("local", log_root=work / "logs")
+    for pruner in ("none", "median", "successive_halving", "hyperband"):
+        r = tune(
+            SweepConfig(
+                space=space,
+                algorithm="random",
+                max_trials=args.trials,
+                parallelism=1,
+                seed=7,
+                pruner=pruner,
+                poll_seconds=0.02,
+                study_name=f"bench-{pruner}",
+            ),
+            spec,
+            work / pruner,
+            client=client,
+            log=lambda _: None,
+        )
+        out[pruner] = {
+            "trial_steps": r.trial_steps,
+            "best_value": round(r.best_value, 6),
+            "best_trial": r.best_trial,
+            **r.counts,
+        }
+    base = out["none"]["trial_steps"]
+    for row in out.values():
+        row["steps_saved"] = round(1 - row["trial_steps"] / base, 3)
+    print(
+        json.dumps({"trials": args.trials, "steps_per_trial": args.steps, "results": out}, indent=1)
+    )
+
+
+if __name__ == "__main__":
+    main()
