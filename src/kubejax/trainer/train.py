@@ -268,6 +268,9 @@ def train_and_evaluate(cfg: TrainConfig) -> dict:
     model, tokenizer_dir, fresh = build_model(cfg, num_labels)
     graphdef, params = nnx.split(model)
     schedule = make_schedule(cfg, total_steps)
+    # The learning rate for logging, computed once: evaluating the schedule during the loop
+    # would queue behind the running step and stall the host.
+    host_lr = np.asarray(jax.vmap(schedule)(jnp.arange(total_steps + 1)))
     tx = make_optimizer(cfg, schedule)
     params = distributed.replicate(params, mesh)
     opt_state = jax.jit(tx.init, out_shardings=distributed.replicated(mesh))(params)
@@ -374,7 +377,7 @@ def train_and_evaluate(cfg: TrainConfig) -> dict:
         row = {
             "step": done,
             **m,
-            "learning_rate": float(schedule(step)),
+            "learning_rate": float(host_lr[step]),
             "examples_per_s": window["examples"] / dt,
             "tokens_per_s": window["tokens"] / dt,
         }
