@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import os
-import shutil
 import sys
 from pathlib import Path
 
@@ -103,11 +102,6 @@ def tiny_args(model_dir: Path, data_dir: Path, out_dir: Path, **overrides) -> li
     for k, v in flags.items():
         out += ["--" + k.replace("_", "-"), str(v)]
     return out
-
-
-def copy_tree(src: Path, dst: Path) -> Path:
-    shutil.copytree(src, dst, symlinks=True)
-    return dst
 
 
 @pytest.fixture(scope="session")

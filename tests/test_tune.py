@@ -238,3 +238,30 @@ def test_real_sweep_of_the_trainer_4_trials_2_parallel(tmp_path, tiny_model_dir,
     assert parent_run.data.tags["kubejax.best_trial"] == str(result.best_trial)
     assert sum(r.data.tags.get("kubejax.best_trial") == "true" for r in children) == 1
     assert json.loads(json.dumps(result.best_params))
+
+
+def test_a_retried_sweep_reattaches_to_a_running_trial(client, tmp_path):
+    import optuna
+
+    from kubejax.tune import JOB_ATTR, OUTPUT_ATTR
+
+    storage = f"sqlite:///{tmp_path / 'study.db'}"
+    study = optuna.create_study(study_name="s", storage=storage, direction="maximize")
+    trial = study.ask({"x": optuna.distributions.FloatDistribution(0.0, 1.0)})
+    out = str(tmp_path / "t" / "trial-000")
+    trial.set_user_attr(JOB_ATTR, "trial-0-running")
+    trial.set_user_attr(OUTPUT_ATTR, out)
+    # The previous controller started this trial's job, then died.
+    client.create_job(factory(steps=5)(0, {"x": trial.params["x"]}, out, "trial-0-running"))
+    space = {"x": {"type": "float", "low": 0.0, "high": 1.0}}
+    lines = []
+    r = tune(
+        _cfg(space, algorithm="random", max_trials=2, storage=storage, study_name="s"),
+        factory(steps=1),
+        tmp_path / "t",
+        client=client,
+        log=lines.append,
+    )
+    assert any("re-attached to trial 0" in line for line in lines)
+    assert [t["state"] for t in r.trials] == ["complete", "complete"]
+    assert r.trials[0]["steps"] == 5

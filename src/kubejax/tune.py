@@ -303,6 +303,7 @@ def tune(
             if name is None:
                 raise KeyError(name)
             client.get_job(name)
+            # Optuna has no public handle for a RUNNING trial of a loaded study.
             trial = optuna.trial.Trial(study, ft._trial_id)
             active[ft.number] = _Active(trial, name, ft.user_attrs[OUTPUT_ATTR], time.monotonic())
             log(f"sweep: re-attached to trial {ft.number} (JAXJob {name})")
