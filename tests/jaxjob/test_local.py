@@ -29,6 +29,15 @@ def _alive(pid: int) -> bool:
         return False
 
 
+def _pids(client, name: str, n: int) -> list[int]:
+    """The job's worker pids, once all `n` workers have started."""
+    deadline = time.monotonic() + 30
+    while len(pids := client.backend.worker_pids(name)) < n:
+        assert time.monotonic() < deadline
+        time.sleep(0.02)
+    return pids
+
+
 def _py(code: str) -> list[str]:
     return [sys.executable, "-c", code]
 
@@ -116,12 +125,17 @@ def test_deadline_stops_every_worker_and_its_children(client):
         "print('child', c.pid, flush=True); time.sleep(120)"
     )
     spec = JAXJobSpec(
-        name="slow", image="i", command=_py(code), replicas=2, active_deadline_seconds=2
+        name="slow", image="i", command=_py(code), replicas=2, active_deadline_seconds=5
     )
     client.create_job(spec)
-    time.sleep(1)
+    deadline = time.monotonic() + 20
+    logs = [[], []]
+    while not all(logs):
+        assert time.monotonic() < deadline
+        time.sleep(0.05)
+        logs = [list(client.get_job_logs("slow", worker=i)) for i in range(2)]
     pids = client.backend.worker_pids("slow")
-    children = [int(next(iter(client.get_job_logs("slow", worker=i))).split()[1]) for i in range(2)]
+    children = [int(lines[0].split()[1]) for lines in logs]
     status = client.wait_for_job_status("slow", timeout=30, polling_interval=0.05)
     assert status.state == FAILED
     assert status.condition(FAILED)["reason"] == "DeadlineExceeded"
@@ -139,8 +153,7 @@ def test_delete_and_timeout_leave_no_process(client):
     client.create_job(
         JAXJobSpec(name="again", image="i", command=_py("import time; time.sleep(300)"), replicas=2)
     )
-    time.sleep(0.5)
-    pids = client.backend.worker_pids("again")
+    pids = _pids(client, "again", 2)
     client.delete_job("again")
     assert not any(_alive(p) for p in pids)
 
@@ -156,8 +169,7 @@ def test_two_workers_run_the_real_trainer(client, tmp_path, tiny_model_dir, prep
         args=tiny_args(tiny_model_dir, prepared, out),
     )
     client.create_job(spec)
-    time.sleep(0.5)
-    pids = client.backend.worker_pids("real")
+    pids = _pids(client, "real", 2)
     status = client.wait_for_job_status("real", timeout=300, polling_interval=0.2)
     assert status.state == SUCCEEDED
     final = json.loads((out / "metrics.json").read_text())["final"]
