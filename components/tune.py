@@ -78,21 +78,16 @@ def tune_sweep(
         best_params (trainer settings, as the train step takes them) and best_value.
     """
     import os
-    import shutil
     from pathlib import Path
 
-    from kubejax.launcher import log_to_stdout
+    from kubejax.launcher import log_to_stdout, stage_dataset
     from kubejax.tune import SweepConfig, sweep_with_jaxjobs, write_report, write_trials
     from kubejax.version import IMAGE
 
     study = f"sweep-{run_id}" if run_id else "sweep"
     if workspace_path:
         root = Path(workspace_path) / "kubejax" / study
-        data_dir = root / "data"
-        if not (data_dir / "dataset_dict.json").exists():
-            if data_dir.exists():
-                shutil.rmtree(data_dir)
-            shutil.copytree(dataset.path, data_dir)
+        data_dir = stage_dataset(dataset.path, root / "data")
     else:
         root = Path(trials.path).parent / study
         data_dir = Path(dataset.path)

@@ -119,6 +119,16 @@ def _copytree(src: Path, dst: Path) -> None:
     shutil.copytree(src, dst)
 
 
+def stage_dataset(dataset_path: str | Path, target: Path) -> Path:
+    """Copy a prepared dataset into the workspace, where the JAXJob's pods can read it.
+
+    A retried task finds the complete copy of its first attempt and reuses it.
+    """
+    if not (target / "dataset_dict.json").exists():
+        _copytree(Path(dataset_path), target)
+    return target
+
+
 def train_with_jaxjob(
     *,
     dataset_path: str,
@@ -147,9 +157,7 @@ def train_with_jaxjob(
     name = job_name(run_id or os.urandom(8).hex(), task_name, prefix=f"kubejax-{task_name}")
     if workspace:
         root = Path(workspace) / "kubejax" / name
-        data_dir = root / "data"
-        if not (data_dir / "dataset_dict.json").exists():
-            _copytree(Path(dataset_path), data_dir)
+        data_dir = stage_dataset(dataset_path, root / "data")
         output_dir = root / "output"
     else:
         data_dir = Path(dataset_path)
