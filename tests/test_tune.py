@@ -70,7 +70,7 @@ def test_seeded_samplers_get_close_to_the_best(client, tmp_path, algorithm):
         "y": {"type": "float", "low": 0.0, "high": 1.0},
     }
     r = tune(
-        _cfg(space, algorithm=algorithm, max_trials=16, parallelism=4, seed=1),
+        _cfg(space, algorithm=algorithm, max_trials=16, parallelism=1, seed=1),
         factory(steps=1, sleep=0),
         tmp_path / "t",
         client=client,
