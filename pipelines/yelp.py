@@ -62,58 +62,17 @@ def _gpu_workers(task: dsl.PipelineTask, gpus: int) -> dsl.PipelineTask:
     return task
 
 
-def _prepare(
-    source,
-    tokenizer,
-    text_column,
-    label_column,
-    max_length,
-    max_train_samples,
-    max_validation_samples,
-    max_test_samples,
-    seed,
-):
-    task = prepare_yelp(
-        tokenizer=tokenizer,
-        source=source,
-        text_column=text_column,
-        label_column=label_column,
-        max_length=max_length,
-        max_train_samples=max_train_samples,
-        max_validation_samples=max_validation_samples,
-        max_test_samples=max_test_samples,
-        seed=seed,
-    )
+def _prepare(**inputs) -> dsl.PipelineTask:
+    task = prepare_yelp(**inputs)
     task.set_display_name("prepare-yelp").set_caching_options(True)
     task.set_cpu_limit("4").set_memory_limit("16Gi")
     return task
 
 
-def _train(
-    dataset,
-    base_model,
-    hyperparameters,
-    best_params,
-    replicas,
-    image,
-    backend,
-    timeout_seconds,
-    mlflow_tracking_uri,
-    mlflow_experiment,
-    gpus_per_worker,
-):
+def _train(gpus_per_worker: int, **inputs) -> dsl.PipelineTask:
     task = train(
-        dataset=dataset,
-        base_model=base_model,
-        hyperparameters=hyperparameters,
-        best_params=best_params,
-        replicas=replicas,
-        image=image,
-        backend=backend,
-        timeout_seconds=timeout_seconds,
+        **inputs,
         workspace_path=dsl.WORKSPACE_PATH_PLACEHOLDER,
-        mlflow_tracking_uri=mlflow_tracking_uri,
-        mlflow_experiment=mlflow_experiment,
         run_id=dsl.PIPELINE_JOB_ID_PLACEHOLDER,
     )
     task.set_display_name("train").set_caching_options(False)
@@ -122,14 +81,8 @@ def _train(
     return _with_mlflow_secret(task)
 
 
-def _evaluate(model, dataset, mlflow_run_id, mlflow_tracking_uri, mlflow_experiment):
-    task = evaluate(
-        model=model,
-        dataset=dataset,
-        mlflow_run_id=mlflow_run_id,
-        mlflow_tracking_uri=mlflow_tracking_uri,
-        mlflow_experiment=mlflow_experiment,
-    )
+def _evaluate(**inputs) -> dsl.PipelineTask:
+    task = evaluate(**inputs)
     task.set_display_name("evaluate").set_caching_options(False)
     return _with_mlflow_secret(task)
 
@@ -201,15 +154,15 @@ def yelp_pipeline(
         seed: Seed of the splits and the sweep.
     """
     prep = _prepare(
-        source,
-        base_model,
-        text_column,
-        label_column,
-        max_length,
-        max_train_samples,
-        max_validation_samples,
-        max_test_samples,
-        seed,
+        tokenizer=base_model,
+        source=source,
+        text_column=text_column,
+        label_column=label_column,
+        max_length=max_length,
+        max_train_samples=max_train_samples,
+        max_validation_samples=max_validation_samples,
+        max_test_samples=max_test_samples,
+        seed=seed,
     )
     sweep = tune_sweep(
         dataset=prep.outputs["dataset"],
@@ -236,24 +189,24 @@ def yelp_pipeline(
     _gpu_workers(sweep, 1)
     _with_mlflow_secret(sweep)
     trained = _train(
-        prep.outputs["dataset"],
-        base_model,
-        train_hyperparameters,
-        sweep.outputs["best_params"],
-        replicas,
-        image,
-        backend,
-        timeout_seconds,
-        mlflow_tracking_uri,
-        mlflow_experiment,
         1,
+        dataset=prep.outputs["dataset"],
+        base_model=base_model,
+        hyperparameters=train_hyperparameters,
+        best_params=sweep.outputs["best_params"],
+        replicas=replicas,
+        image=image,
+        backend=backend,
+        timeout_seconds=timeout_seconds,
+        mlflow_tracking_uri=mlflow_tracking_uri,
+        mlflow_experiment=mlflow_experiment,
     )
     evaluated = _evaluate(
-        trained.outputs["model"],
-        prep.outputs["dataset"],
-        trained.outputs["mlflow_run_id"],
-        mlflow_tracking_uri,
-        mlflow_experiment,
+        model=trained.outputs["model"],
+        dataset=prep.outputs["dataset"],
+        mlflow_run_id=trained.outputs["mlflow_run_id"],
+        mlflow_tracking_uri=mlflow_tracking_uri,
+        mlflow_experiment=mlflow_experiment,
     )
     # kfp.local resolves conditions on a task's single `Output` only: evaluate returns the
     # accuracy as that, and hands the model URI over as an artifact.
@@ -311,35 +264,35 @@ def train_eval_pipeline(
         seed: Seed of the splits.
     """
     prep = _prepare(
-        source,
-        base_model,
-        text_column,
-        label_column,
-        max_length,
-        max_train_samples,
-        max_validation_samples,
-        max_test_samples,
-        seed,
+        tokenizer=base_model,
+        source=source,
+        text_column=text_column,
+        label_column=label_column,
+        max_length=max_length,
+        max_train_samples=max_train_samples,
+        max_validation_samples=max_validation_samples,
+        max_test_samples=max_test_samples,
+        seed=seed,
     )
     trained = _train(
-        prep.outputs["dataset"],
-        base_model,
-        train_hyperparameters,
-        {},
-        replicas,
-        image,
-        backend,
-        timeout_seconds,
-        mlflow_tracking_uri,
-        mlflow_experiment,
         1,
+        dataset=prep.outputs["dataset"],
+        base_model=base_model,
+        hyperparameters=train_hyperparameters,
+        best_params={},
+        replicas=replicas,
+        image=image,
+        backend=backend,
+        timeout_seconds=timeout_seconds,
+        mlflow_tracking_uri=mlflow_tracking_uri,
+        mlflow_experiment=mlflow_experiment,
     )
     _evaluate(
-        trained.outputs["model"],
-        prep.outputs["dataset"],
-        trained.outputs["mlflow_run_id"],
-        mlflow_tracking_uri,
-        mlflow_experiment,
+        model=trained.outputs["model"],
+        dataset=prep.outputs["dataset"],
+        mlflow_run_id=trained.outputs["mlflow_run_id"],
+        mlflow_tracking_uri=mlflow_tracking_uri,
+        mlflow_experiment=mlflow_experiment,
     )
 
 

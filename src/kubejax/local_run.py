@@ -166,9 +166,10 @@ def run_local(
     workdir = Path(workdir).resolve()
     workdir.mkdir(parents=True, exist_ok=True)
     types = pipeline_inputs(pipeline)
-    args = {k: v for k, v in embedded_params(workdir).items() if k in types}
+    defaults = embedded_params(workdir)
+    args = {k: v for k, v in defaults.items() if k in types}
     args.update(parse_params(overrides, types))
-    synthetic = Path(embedded_params(workdir)["source"])
+    synthetic = Path(defaults["source"])
     if args["source"] == str(synthetic) and not (synthetic / "train.csv").exists():
         write_yelp_dir(synthetic, DEMO_TRAIN_ROWS, DEMO_TEST_ROWS, seed=0)
     (workdir / "workspace").mkdir(exist_ok=True)

@@ -69,9 +69,6 @@ class Tracker:
         """Flush everything and end the run (FINISHED, FAILED or KILLED)."""
 
 
-NoopTracker = Tracker
-
-
 def _flatten(d: Mapping[str, Any], prefix: str = "") -> dict[str, str]:
     out = {}
     for k, v in d.items():
@@ -237,14 +234,6 @@ class MlflowTracker(Tracker):
             self.client.set_tag(run_id, k, str(v))
         if status is not None:
             self.client.set_terminated(run_id, status=status)
-
-    def flush(self) -> None:
-        """Send everything buffered so far and wait for it."""
-        self._queue.put(None)
-        self._thread.join()
-        self._queue = queue.Queue()
-        self._thread = threading.Thread(target=self._send_loop, name="mlflow-batch", daemon=True)
-        self._thread.start()
 
     def finish(self, status: str = "FINISHED") -> None:
         self._queue.put(None)

@@ -14,7 +14,6 @@ import atexit
 import collections
 import contextlib
 import os
-import shutil
 import signal
 import socket
 import subprocess
@@ -320,6 +319,3 @@ class LocalBackend:
         """Stop every job (also run at interpreter exit)."""
         for name in list(self.jobs):
             self.delete_job(name)
-
-    def remove_logs(self) -> None:
-        shutil.rmtree(self.log_root, ignore_errors=True)
