@@ -27,7 +27,7 @@ class BertTextClassifier(mlflow.pyfunc.PythonModel):
         self._load(Path(context.artifacts["model"]))
 
     def _load(self, model_dir: Path) -> None:
-        from kubejax.data.prepare import load_tokenizer
+        from kubejax.data.tokenizer import load_tokenizer
         from kubejax.trainer import weights
 
         settings = json.loads((model_dir / weights.SETTINGS_FILE).read_text())
@@ -37,7 +37,7 @@ class BertTextClassifier(mlflow.pyfunc.PythonModel):
 
     def predict(self, context, model_input: pd.DataFrame, params=None) -> pd.DataFrame:
         from kubejax.data.dataset import TokenizedSplit
-        from kubejax.data.prepare import tokenize
+        from kubejax.data.tokenizer import tokenize
         from kubejax.evaluate import predict_logits
 
         if TEXT_COLUMN not in model_input.columns:
@@ -45,7 +45,7 @@ class BertTextClassifier(mlflow.pyfunc.PythonModel):
                 f"model_input: needs a {TEXT_COLUMN!r} column, has {list(model_input.columns)}"
             )
         texts = model_input[TEXT_COLUMN].fillna("").astype(str).str.strip().tolist()
-        values, offsets, _ = tokenize(texts, self.tokenizer, self.max_length)
+        values, offsets, _ = tokenize(texts, self.tokenizer)
         split = TokenizedSplit(values, offsets, np.zeros(len(texts), dtype=np.int32))
         logits = predict_logits(self.model, split, 64, self.max_length)
         probs = np.exp(logits - logits.max(-1, keepdims=True))

@@ -151,21 +151,23 @@ def test_metadata_and_report(tmp_path, minilm_dir, prepared):
     assert {"p50", "p90", "p99"} <= set(train["length_percentiles"])
     assert 0 < train["truncation_rate"] <= 1
     assert meta["source"] and meta["tokenizer"]
+    assert meta["tokenizer_engine"].startswith("nanotoken ")  # MiniLM's WordPiece
     ds = datasets.load_from_disk(str(prepared))
     assert set(ds["train"].column_names) == {"input_ids", "attention_mask", "label", "length"}
     assert "text" in ds["test"].column_names
     write_report(meta, tmp_path / "report.html")
     html = (tmp_path / "report.html").read_text()
+    assert meta["tokenizer_engine"] in html
     assert "Class balance: train" in html and "Token lengths: train" in html and "<svg" in html
 
 
 def test_truncation_equals_the_tokenizers_own(minilm_dir):
     from tokenizers import Tokenizer
 
-    from kubejax.data.prepare import load_tokenizer, tokenize
+    from kubejax.data.tokenizer import load_tokenizer, tokenize
 
     _, texts = generate_reviews(100, seed=3)
-    values, offsets, truncated = tokenize(texts, load_tokenizer(str(minilm_dir), 48), 48)
+    values, offsets, truncated = tokenize(texts, load_tokenizer(str(minilm_dir), 48))
     ref = Tokenizer.from_file(str(minilm_dir / "tokenizer.json"))
     ref.no_padding()
     ref.enable_truncation(48)

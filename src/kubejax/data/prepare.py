@@ -10,13 +10,12 @@ The on-disk format, read by the trainer and evaluation (`kubejax.data.dataset`):
         text            string        test split only: the cleaned review, for predictions
     <out>/metadata.json   label names and mapping, rows per split, class balance, token-length
                           percentiles, truncation rate, rows dropped by each cleaning rule,
-                          tokenizer, max_length, source and revision
+                          tokenizer and the engine used, max_length, source and revision
 """
 
 from __future__ import annotations
 
 import csv
-import itertools
 import json
 import os
 import re
@@ -29,12 +28,12 @@ import numpy as np
 import pandas as pd
 
 from kubejax import report
+from kubejax.data.tokenizer import TokenizerError, load_tokenizer, tokenize
 
 FORMATS = {".csv": "csv", ".tsv": "tsv", ".json": "json", ".jsonl": "jsonl", ".parquet": "parquet"}
 SPLITS = ("train", "validation", "test")
 METADATA_FILE = "metadata.json"
 _SPLIT_RE = re.compile(r"^([A-Za-z_][\w.-]*)(?:\[(-?\d+%?)?:(-?\d+%?)?\])?$")
-_CHUNK = 8192
 
 
 class PrepareError(ValueError):
@@ -311,78 +310,6 @@ def stratified_cap(labels: np.ndarray, cap: int, rng: np.random.Generator) -> np
     return np.sort(np.concatenate(picked))
 
 
-def load_tokenizer(name: str, max_length: int):
-    """A `tokenizers.Tokenizer` set to truncate at `max_length` and not to pad."""
-    from tokenizers import Tokenizer
-
-    path = Path(name).expanduser()
-    if (path / "tokenizer.json").is_file():
-        tok = Tokenizer.from_file(str(path / "tokenizer.json"))
-        config_file = path / "config.json"
-        positions = (
-            json.loads(config_file.read_text()).get("max_position_embeddings")
-            if config_file.is_file()
-            else None
-        )
-    else:
-        from transformers import AutoConfig, AutoTokenizer
-
-        try:
-            tok = AutoTokenizer.from_pretrained(name, use_fast=True).backend_tokenizer
-            positions = getattr(AutoConfig.from_pretrained(name), "max_position_embeddings", None)
-        except Exception as err:  # hub/network errors come in many types
-            raise PrepareError(
-                f"tokenizer: {name!r} is neither a folder with tokenizer.json nor a reachable "
-                f"hub id ({type(err).__name__}: {err})"
-            ) from err
-    if positions is not None and max_length > positions:
-        raise PrepareError(
-            f"max_length: {max_length} exceeds the model's {positions} positions "
-            "(max_position_embeddings)"
-        )
-    tok.no_padding()
-    # One token more than kept, so truncation is detected without encoding twice.
-    tok.enable_truncation(max_length + 1)
-    return tok
-
-
-def _encode(texts: list[str], tok, progress: bool = False) -> tuple[np.ndarray, np.ndarray]:
-    """Flat int32 token ids and int64 lengths of `texts` (one process)."""
-    from tqdm.auto import tqdm
-
-    encode = getattr(tok, "encode_batch_fast", tok.encode_batch)
-    chunks = range(0, len(texts), _CHUNK)
-    id_lists: list[list[int]] = []
-    for start in tqdm(chunks, desc="tokenize", unit="chunk", disable=not progress):
-        id_lists.extend(e.ids for e in encode(texts[start : start + _CHUNK]))
-    lengths = np.fromiter((len(x) for x in id_lists), dtype=np.int64, count=len(id_lists))
-    values = np.fromiter(
-        itertools.chain.from_iterable(id_lists), dtype=np.int32, count=int(lengths.sum())
-    )
-    return values, lengths
-
-
-def tokenize(texts: list[str], tok, max_length: int, progress: bool = False):
-    """Token ids of `texts` as (flat int32 values, int64 offsets, truncated bool mask).
-
-    The fast tokenizer's batch encoding already runs on every core (rayon); reading its output
-    is the only Python work, about 5% of the time.
-    """
-    values, lengths = _encode(texts, tok, progress)
-    offsets = np.zeros(len(lengths) + 1, dtype=np.int64)
-    np.cumsum(lengths, out=offsets[1:])
-    truncated = lengths > max_length
-    if truncated.any():
-        # Truncating at L+1 and dropping the last content token (just before the closing
-        # special token) equals truncating at L.
-        keep = np.ones(len(values), dtype=bool)
-        keep[offsets[:-1][truncated] + max_length - 1] = False
-        values = values[keep]
-        lengths = np.minimum(lengths, max_length)
-        np.cumsum(lengths, out=offsets[1:])
-    return values, offsets, truncated
-
-
 def _arrow_table(values, offsets, labels, texts):
     import pyarrow as pa
 
@@ -408,7 +335,10 @@ def prepare_yelp(cfg: PrepareConfig, out_dir: str | Path, progress: bool = True)
     import datasets
 
     out_dir = Path(out_dir)
-    tok = load_tokenizer(cfg.tokenizer, cfg.max_length)
+    try:
+        tok = load_tokenizer(cfg.tokenizer, cfg.max_length)
+    except TokenizerError as err:
+        raise PrepareError(str(err)) from err
     frames, class_names = load_source(cfg)
     _check_columns(frames, cfg)
     dropped: dict[str, int] = {}
@@ -466,7 +396,7 @@ def prepare_yelp(cfg: PrepareConfig, out_dir: str | Path, progress: bool = True)
     for split in SPLITS:
         df = cleaned[split]
         texts = df["text"].tolist()
-        values, offsets, truncated = tokenize(texts, tok, cfg.max_length, progress)
+        values, offsets, truncated = tokenize(texts, tok, progress)
         labels = df["label"].to_numpy()
         tables[split] = _arrow_table(values, offsets, labels, texts if split == "test" else None)
         lengths = np.diff(offsets)
@@ -490,6 +420,7 @@ def prepare_yelp(cfg: PrepareConfig, out_dir: str | Path, progress: bool = True)
         "splits": stats,
         "dropped": dropped,
         "tokenizer": cfg.tokenizer,
+        "tokenizer_engine": tok.engine,
         "max_length": cfg.max_length,
         "source": cfg.source,
         "revision": cfg.revision,
@@ -532,7 +463,8 @@ def write_report(metadata: dict, path: str | Path) -> None:
         )
     sections.append(
         f"<p>Source <code>{metadata['source']}</code>, tokenizer <code>{metadata['tokenizer']}"
-        f"</code>, max_length {metadata['max_length']}. Dropped: {metadata['dropped'] or 'none'}."
+        f"</code> ({metadata.get('tokenizer_engine', 'tokenizers')}), max_length "
+        f"{metadata['max_length']}. Dropped: {metadata['dropped'] or 'none'}."
         "</p>"
     )
     sections.append(report.table(rows))

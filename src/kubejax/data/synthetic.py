@@ -72,6 +72,11 @@ def write_yelp_csv(path: str | Path, n: int, seed: int = 0) -> Path:
     two characters `\\n`.
     """
     stars, texts = generate_reviews(n, seed)
+    return write_reviews_csv(path, stars, texts)
+
+
+def write_reviews_csv(path: str | Path, stars, texts: list[str]) -> Path:
+    """Write reviews in the Zhang et al. (2015) Yelp CSV layout (see `write_yelp_csv`)."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     with path.open("w", newline="", encoding="utf-8") as f:
