@@ -58,10 +58,14 @@ class Encoder:
 
     def encode(self, texts: list[str]) -> tuple[np.ndarray, np.ndarray]:
         """Flat int32 token ids and int64 lengths of `texts`."""
-        if self.fast is not None:
-            ids, offsets = self.fast.encode_batch(texts, max_length=self.max_length + 1)
-            # Vocabulary ids fit in int32; a view, not a copy.
-            return ids.view(np.int32), np.diff(offsets)
+        return self._encode_fast(texts) if self.fast is not None else self._encode_reference(texts)
+
+    def _encode_fast(self, texts: list[str]) -> tuple[np.ndarray, np.ndarray]:
+        ids, offsets = self.fast.encode_batch(texts, max_length=self.max_length + 1)
+        # Vocabulary ids fit in int32; a view, not a copy.
+        return ids.view(np.int32), np.diff(offsets)
+
+    def _encode_reference(self, texts: list[str]) -> tuple[np.ndarray, np.ndarray]:
         encode = getattr(self.reference, "encode_batch_fast", self.reference.encode_batch)
         id_lists = [e.ids for e in encode(texts)]
         lengths = np.fromiter(map(len, id_lists), dtype=np.int64, count=len(id_lists))
@@ -74,12 +78,9 @@ class Encoder:
         """Compare the fast engine with the reference on `texts`; on a difference, drop it."""
         if self.fast is None or not texts:
             return
-        fast_values, fast_lengths = self.encode(texts)
-        fast, self.fast = self.fast, None
-        ref_values, ref_lengths = self.encode(texts)
-        if np.array_equal(fast_lengths, ref_lengths) and np.array_equal(fast_values, ref_values):
-            self.fast = fast
-        else:
+        fast, ref = self._encode_fast(texts), self._encode_reference(texts)
+        if not all(np.array_equal(a, b) for a, b in zip(fast, ref, strict=True)):
+            self.fast = None
             warnings.warn(
                 "tokenizer: the native WordPiece engine differs from `tokenizers` on this data; "
                 "using `tokenizers` (slower, same result as the model's own tokenizer)",
@@ -143,7 +144,7 @@ def tokenize(texts: list[str], encoder: Encoder, progress: bool = False):
             range(0, len(texts), chunk), desc="tokenize", unit="chunk", disable=not progress
         )
     ]
-    if len(parts) == 1:
+    if len(parts) == 1:  # the usual case on the fast engine; concatenating copies every token
         values, lengths = parts[0]
     else:
         values = np.concatenate([p[0] for p in parts] or [np.zeros(0, np.int32)])
