@@ -33,6 +33,20 @@ def test_params_and_batched_metrics_read_back(mlflow_server):
     assert run.data.metrics["final_loss"] == 0.01
 
 
+def test_sqlite_store_keeps_artifacts_beside_the_database(tmp_path, monkeypatch):
+    elsewhere = tmp_path / "cwd"
+    elsewhere.mkdir()
+    monkeypatch.chdir(elsewhere)
+    uri = tracking.local_tracking_uri(tmp_path / "work")
+    t = tracking.create_tracker(uri, "artifacts-test", run_name="r")
+    (tmp_path / "hello.txt").write_text("hello")
+    t.log_artifact(tmp_path / "hello.txt", "notes")
+    t.finish()
+    assert (tmp_path / "work" / "mlartifacts").is_dir()
+    assert list((tmp_path / "work" / "mlartifacts").rglob("hello.txt"))
+    assert not any(elsewhere.iterdir())
+
+
 def test_unreachable_server_is_a_clear_error():
     with pytest.raises(tracking.TrackingError, match="mlflow_tracking_uri: cannot use"):
         tracking.create_tracker("http://127.0.0.1:9", "x")

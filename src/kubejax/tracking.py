@@ -104,7 +104,13 @@ class MlflowTracker(Tracker):
                 self.client.update_run(run_id, status="RUNNING")
             else:
                 exp = self.client.get_experiment_by_name(experiment)
-                exp_id = exp.experiment_id if exp else self.client.create_experiment(experiment)
+                exp_id = (
+                    exp.experiment_id
+                    if exp
+                    else self.client.create_experiment(
+                        experiment, artifact_location=_artifact_location(tracking_uri)
+                    )
+                )
                 all_tags = dict(tags or {})
                 if parent_run_id:
                     all_tags["mlflow.parentRunId"] = parent_run_id
@@ -241,6 +247,17 @@ class MlflowTracker(Tracker):
         if self._errors:
             log.warning("MLflow: %d metric batches failed: %s", len(self._errors), self._errors[0])
         self.client.set_terminated(self.run_id, status=status)
+
+
+def _artifact_location(tracking_uri: str) -> str | None:
+    """Artifacts of a new experiment in a local sqlite store: beside the database.
+
+    MLflow's default for database stores is `./mlruns` of whatever directory the process runs
+    in, which scatters a run's models over working directories. Servers keep their own default.
+    """
+    if not tracking_uri.startswith("sqlite:///"):
+        return None
+    return (Path(tracking_uri.removeprefix("sqlite:///")).parent / "mlartifacts").resolve().as_uri()
 
 
 def local_tracking_uri(workdir: str | Path) -> str:
