@@ -8,6 +8,8 @@ from pathlib import Path
 
 import pytest
 
+from tests.helpers import free_port, tiny_args
+
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "true")
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
@@ -76,34 +78,6 @@ def prepared(tmp_path_factory, yelp_dir, minilm_dir) -> Path:
     return out
 
 
-def trainer_cmd(*args: str) -> list[str]:
-    """The command line of the trainer in this interpreter."""
-    return [sys.executable, "-m", "kubejax.trainer", *args]
-
-
-def tiny_args(model_dir: Path, data_dir: Path, out_dir: Path, **overrides) -> list[str]:
-    """Trainer flags for a short run of the tiny model."""
-    flags = {
-        "model": str(model_dir),
-        "data_dir": str(data_dir),
-        "output_dir": str(out_dir),
-        "global_batch_size": 8,
-        "max_steps": 10,
-        "learning_rate": 1e-3,
-        "log_every": 1,
-        "max_length": 64,
-        "eval_batch_size": 32,
-        "max_eval_examples": 64,
-        "dropout": 0.0,
-        "mlflow_tracking_uri": "",
-    }
-    flags.update(overrides)
-    out = []
-    for k, v in flags.items():
-        out += ["--" + k.replace("_", "-"), str(v)]
-    return out
-
-
 @pytest.fixture(scope="session")
 def trained_tiny(tmp_path_factory, tiny_model_dir, prepared) -> Path:
     """A tiny model trained for a few steps; its output folder (model/, metrics.json)."""
@@ -112,14 +86,6 @@ def trained_tiny(tmp_path_factory, tiny_model_dir, prepared) -> Path:
     out = tmp_path_factory.mktemp("trained") / "out"
     assert main(tiny_args(tiny_model_dir, prepared, out, max_steps=30, learning_rate=3e-3)) == 0
     return out
-
-
-def free_port() -> int:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @pytest.fixture(scope="session")

@@ -11,8 +11,8 @@ import pytest
 import yaml
 
 from kubejax.cli import main
-from tests.conftest import tiny_args
 from tests.fake_kfp import FakeKFP
+from tests.helpers import tiny_args
 
 SUBCOMMANDS = [
     ["prepare"],

@@ -96,7 +96,7 @@ def test_trainer_logs_params_metrics_and_system_metrics(
     mlflow_server, tmp_path, tiny_model_dir, prepared
 ):
     from kubejax.trainer.train import main
-    from tests.conftest import tiny_args
+    from tests.helpers import tiny_args
 
     out = tmp_path / "o"
     args = tiny_args(

@@ -14,7 +14,7 @@ import pytest
 from kubejax.jaxjob.client import FAILED, RESTARTING, SUCCEEDED, JAXJobClient, JobFailedError
 from kubejax.jaxjob.launch import run_job
 from kubejax.jaxjob.spec import JAXJobSpec
-from tests.conftest import tiny_args, trainer_cmd
+from tests.helpers import tiny_args, trainer_cmd
 
 
 def _alive(pid: int) -> bool:

@@ -1,0 +1,86 @@
+"""Plain helpers the tests import (fixtures stay in conftest.py).
+
+The numeric comparisons here hold on every CPU the suite may meet (Intel or AMD, with or
+without AVX-512, one or two cores): XLA picks different kernels on each, so two mathematically
+equal computations agree only up to float32 rounding, scaled by the size of what is compared.
+"""
+
+from __future__ import annotations
+
+import socket
+import sys
+from pathlib import Path
+
+import numpy as np
+
+#: Parameters whose gradient is zero by symmetry: a key bias adds q·b to every score of a
+#: query, and softmax is invariant to a per-query shift. What moves them is rounding noise
+#: (amplified by Adam's normalisation), whose size depends on the CPU's kernels.
+ZERO_GRADIENT_BY_SYMMETRY = ("attention.self.key.bias",)
+
+
+def trainer_cmd(*args: str) -> list[str]:
+    """The command line of the trainer in this interpreter."""
+    return [sys.executable, "-m", "kubejax.trainer", *args]
+
+
+def tiny_args(model_dir: Path, data_dir: Path, out_dir: Path, **overrides) -> list[str]:
+    """Trainer flags for a short run of the tiny model."""
+    flags = {
+        "model": str(model_dir),
+        "data_dir": str(data_dir),
+        "output_dir": str(out_dir),
+        "global_batch_size": 8,
+        "max_steps": 10,
+        "learning_rate": 1e-3,
+        "log_every": 1,
+        "max_length": 64,
+        "eval_batch_size": 32,
+        "max_eval_examples": 64,
+        "dropout": 0.0,
+        "mlflow_tracking_uri": "",
+    }
+    flags.update(overrides)
+    out = []
+    for k, v in flags.items():
+        out += ["--" + k.replace("_", "-"), str(v)]
+    return out
+
+
+def free_port() -> int:
+    """A TCP port free on 127.0.0.1 right now."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def assert_close_to_scale(actual, expected, rel: float, what: str = "") -> None:
+    """max |actual - expected| ≤ rel · max |expected|: a tolerance relative to the tensor's own
+    magnitude, so it means the same for values of size 0.01 and of size 10."""
+    actual, expected = np.asarray(actual, np.float64), np.asarray(expected, np.float64)
+    assert actual.shape == expected.shape, (what, actual.shape, expected.shape)
+    scale = float(np.abs(expected).max()) if expected.size else 0.0
+    diff = float(np.abs(actual - expected).max()) if expected.size else 0.0
+    assert diff <= rel * scale, f"{what}: max |diff| {diff:.3g} > {rel:g} × scale {scale:.3g}"
+
+
+def assert_same_training(before: dict, a: dict, b: dict, rel: float) -> None:
+    """Two training runs from the same `before` parameters made the same updates.
+
+    Each tensor's update (after - before) is compared relative to that update's own size: the
+    parameters themselves are large next to a few steps of updates, so a tolerance on them
+    would hide a wrong update. Tensors with a zero gradient by symmetry are checked instead to
+    have barely moved in either run (below 1 % of the typical update), whatever the noise.
+    """
+    assert a.keys() == b.keys() == before.keys()
+    moved = [float(np.abs(a[k] - before[k]).max()) for k in a]
+    typical = float(np.median(moved))
+    assert typical > 0, "training did not change the parameters"
+    for k in a:
+        ua = np.asarray(a[k], np.float64) - before[k]
+        ub = np.asarray(b[k], np.float64) - before[k]
+        if k.endswith(ZERO_GRADIENT_BY_SYMMETRY):
+            for u in (ua, ub):
+                assert float(np.abs(u).max()) <= 0.01 * typical, k
+            continue
+        assert_close_to_scale(ub, ua, rel, what=k)
