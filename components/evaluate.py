@@ -59,6 +59,11 @@ def evaluate(
         metrics.log_metric(f"f1_{name}", float(f1))
     metrics.log_metric("wall_s", round(time.monotonic() - t0, 2))
     confusion_matrix.log_confusion_matrix(names, result["confusion_matrix"])
+    print(
+        f"evaluate: {split} accuracy {result['accuracy']:.4f}, macro-F1 {result['macro_f1']:.4f} "
+        f"on {int(sum(map(sum, result['confusion_matrix'])))} rows",
+        flush=True,
+    )
     write_eval_report(result, report.path)
 
     tracker = tracking.create_tracker(

@@ -80,7 +80,7 @@ def tune_sweep(
     import os
     from pathlib import Path
 
-    from kubejax.launcher import log_to_stdout, stage_dataset
+    from kubejax.launcher import compilation_cache_env, log_to_stdout, stage_dataset
     from kubejax.tune import SweepConfig, sweep_with_jaxjobs, write_report, write_trials
     from kubejax.version import IMAGE
 
@@ -120,6 +120,7 @@ def tune_sweep(
         mlflow_tracking_uri=mlflow_tracking_uri or os.environ.get("MLFLOW_TRACKING_URI", ""),
         mlflow_experiment=mlflow_experiment,
         tags={"kfp.run_id": run_id},
+        extra_env=compilation_cache_env(workspace_path),
         log=log_to_stdout,
     )
     write_trials(result, trials.path)

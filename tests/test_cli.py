@@ -107,6 +107,9 @@ def test_run_local_rejects_unknown_and_bad_params(tmp_path, capsys):
     assert "unknown parameter 'nope'" in capsys.readouterr().err
     assert main(["run", "--local", "--workdir", str(tmp_path), "--param", "max_trials=many"]) == 2
     assert "max_trials" in capsys.readouterr().err
+    own = ["--param", "source=reviews.csv", "--profile", "demo"]
+    assert main(["run", "--local", "--workdir", str(tmp_path), *own]) == 2
+    assert "--profile: demo is sized for the embedded synthetic data" in capsys.readouterr().err
 
 
 def test_submit_uploads_and_creates_a_run_on_a_fake_kfp(capsys):

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import io
 import json
 from pathlib import Path
 
@@ -19,6 +20,10 @@ def local_run(tmp_path_factory, tiny_model_dir):
     from kubejax.local_run import run_local
 
     workdir = tmp_path_factory.mktemp("pipeline") / "run"
+    # A model under a virtualenv-like path: kfp.local used to rewrite 'python3' inside it.
+    model = tmp_path_factory.mktemp("venv") / "lib" / "python3.11" / "site-packages" / "tiny-bert"
+    model.parent.mkdir(parents=True)
+    model.symlink_to(tiny_model_dir)
     common = {
         "global_batch_size": 8,
         "max_length": 64,
@@ -27,7 +32,7 @@ def local_run(tmp_path_factory, tiny_model_dir):
         "learning_rate": 3e-3,
     }
     overrides = [
-        f"base_model={tiny_model_dir}",
+        f"base_model={model}",
         "max_trials=2",
         "parallelism=2",
         f"trial_hyperparameters={json.dumps({**common, 'max_steps': 6, 'eval_every': 3})}",
@@ -35,8 +40,9 @@ def local_run(tmp_path_factory, tiny_model_dir):
         "register_threshold=0.0",
         "max_test_samples=200",
     ]
-    summary = run_local(workdir, overrides)
-    return workdir, summary
+    terminal = io.StringIO()
+    summary = run_local(workdir, overrides, terminal=terminal)
+    return workdir, summary, terminal.getvalue()
 
 
 def _artifact(workdir: Path, task: str, name: str) -> Path:
@@ -47,7 +53,7 @@ def _artifact(workdir: Path, task: str, name: str) -> Path:
 
 @pytest.mark.slow
 def test_pipeline_summary_and_outputs(local_run):
-    workdir, summary = local_run
+    workdir, summary, _ = local_run
     on_disk = json.loads((workdir / "summary.json").read_text())
     assert on_disk == summary
     for key in (
@@ -81,7 +87,7 @@ def test_pipeline_summary_and_outputs(local_run):
 
 @pytest.mark.slow
 def test_pipeline_html_reports_hold_the_curves(local_run):
-    workdir, _ = local_run
+    workdir, _, _ = local_run
     train = _artifact(workdir, "train", "report").read_text()
     assert "<polyline" in train and "train loss" in train and "eval accuracy" in train
     assert "Resources per worker" in train and "peak_rss_mb" in train
@@ -95,7 +101,7 @@ def test_pipeline_html_reports_hold_the_curves(local_run):
 def test_pipeline_mlflow_store(local_run):
     from mlflow.tracking import MlflowClient
 
-    _, summary = local_run
+    _, summary, _ = local_run
     client = MlflowClient(summary["mlflow_tracking_uri"])
     exp = client.get_experiment_by_name(summary["mlflow_experiment"])
     runs = client.search_runs([exp.experiment_id])
@@ -109,8 +115,27 @@ def test_pipeline_mlflow_store(local_run):
     assert {"loss", "eval_accuracy", "test_accuracy", "test_macro_f1"} <= set(train.data.metrics)
     assert any(k.startswith("system/") for k in train.data.metrics)
     assert train.data.params["num_processes"] == "2"
+    assert "/python3.11/site-packages/tiny-bert" in train.data.params["model"]
     versions = client.search_model_versions("name='kubejax-yelp-local'")
     assert len(versions) == 1
+
+
+@pytest.mark.slow
+def test_pipeline_terminal_shows_progress_and_the_log_keeps_everything(local_run):
+    workdir, summary, printed = local_run
+    tasks = ["prepare-yelp", "tune-sweep", "train", "evaluate", "register-model"]
+    assert [t["task"] for t in summary["tasks"]] == tasks
+    for t in summary["tasks"]:
+        assert t["status"] == "SUCCESS" and t["seconds"] == pytest.approx(t["end_s"] - t["start_s"])
+        assert f"{t['task']}: started" in printed and f"{t['task']}: SUCCESS in" in printed
+    assert "budget: profile demo" in printed
+    assert "sweep: trial 0 started" in printed and "[worker-0] step 30/30" in printed
+    assert "evaluate: test accuracy" in printed
+    assert "executor_input" not in printed and "KFP Executor" not in printed
+    log = (workdir / "logs" / "pipeline.log").read_text()
+    assert "executor_input" in log and "[worker-0] step 30/30" in log
+    assert summary["logs"]["pipeline"] == str(workdir / "logs" / "pipeline.log")
+    assert any((workdir / "logs" / "jobs").glob("trial-0-*/worker-0.log"))
 
 
 def test_compiled_matches_a_fresh_compile(tmp_path):

@@ -341,6 +341,18 @@ def _add_run(sub) -> None:
         metavar="NAME=VALUE",
         help="override a pipeline parameter (repeatable)",
     )
+    p.add_argument(
+        "--profile",
+        default=None,
+        help="budget: demo (the embedded synthetic data; the default without --param source), "
+        "quick (the default for your own source: one epoch, max_length 128) or full "
+        "(three epochs, max_length 256, every row)",
+    )
+    p.add_argument(
+        "--verbose",
+        action="store_true",
+        help="print kfp.local's whole stream (executor input, every log line) to the terminal",
+    )
     p.set_defaults(func=_run)
 
 
@@ -348,24 +360,31 @@ def _run(args) -> int:
     from kubejax.local_run import run_local
 
     try:
-        summary = run_local(args.workdir, args.param, args.pipeline)
+        summary = run_local(
+            args.workdir, args.param, args.pipeline, profile=args.profile, verbose=args.verbose
+        )
     except ValueError as err:
-        if str(err).startswith("--param"):
+        if str(err).startswith(("--param", "--profile")):
             raise CliError(str(err)) from err
         raise
+    except RuntimeError as err:
+        # kfp.local raises this when a task fails; the task's last lines were printed above.
+        print(f"kubejax run: {err}", file=sys.stderr)
+        print(f"kubejax run: the whole log: {Path(args.workdir) / 'logs'}", file=sys.stderr)
+        return 1
     print("\n=== kubejax: evaluation summary ===")
-    for key in (
-        "accuracy",
-        "macro_f1",
-        "majority_baseline",
-        "best_params",
-        "trials",
-        "model_uri",
-        "wall_s",
-    ):
+    for key in ("accuracy", "macro_f1", "majority_baseline", "best_params", "trials", "model_uri"):
         if key in summary:
             print(f"{key:>18}: {summary[key]}")
+    print(
+        f"{'wall_s':>18}: {summary['wall_s']}  ("
+        + ", ".join(
+            f"{t['task']} {t['seconds']}" for t in summary["tasks"] if t["seconds"] is not None
+        )
+        + ")"
+    )
     print(f"\nsummary: {Path(args.workdir) / 'summary.json'}")
+    print(f"logs: {summary['logs']['pipeline']} and {summary['logs']['jobs']}/")
     print(f"look at it: mlflow ui --backend-store-uri {summary['mlflow_tracking_uri']}")
     return 0
 

@@ -129,6 +129,17 @@ def stage_dataset(dataset_path: str | Path, target: Path) -> Path:
     return target
 
 
+def compilation_cache_env(workspace: str | Path) -> dict[str, str]:
+    """Worker env that shares JAX's persistent compilation cache through the workspace: the
+    sweep's trials and the final training compile the same programs once."""
+    if not workspace:
+        return {}
+    return {
+        "JAX_COMPILATION_CACHE_DIR": str(Path(workspace) / "kubejax" / "jax-cache"),
+        "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS": "0",
+    }
+
+
 def train_with_jaxjob(
     *,
     dataset_path: str,
@@ -169,6 +180,7 @@ def train_with_jaxjob(
     hp = dict(hyperparameters)
     hp["mlflow_tags"] = json.dumps({**json.loads(hp.get("mlflow_tags") or "{}"), **tags})
     extra_env = {"MLFLOW_TRACKING_URI": mlflow_tracking_uri} if mlflow_tracking_uri else {}
+    extra_env.update(compilation_cache_env(workspace))
     spec = build_train_spec(
         name=name,
         image=image,

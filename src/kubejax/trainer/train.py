@@ -96,15 +96,33 @@ def decay_mask(params):
     return jax.tree_util.tree_map_with_path(keep, params)
 
 
-def make_optimizer(cfg: TrainConfig, schedule: optax.Schedule) -> optax.GradientTransformation:
-    """Gradient clipping, then AdamW with the decay mask."""
-    parts = [optax.clip_by_global_norm(cfg.max_grad_norm)] if cfg.max_grad_norm > 0 else []
-    parts.append(
-        optax.adamw(
-            schedule, b1=0.9, b2=0.999, eps=1e-8, weight_decay=cfg.weight_decay, mask=decay_mask
+def make_optimizer(cfg: TrainConfig) -> optax.GradientTransformation:
+    """Gradient clipping, then AdamW with the decay mask.
+
+    The learning rate, weight decay and clipping norm live in the optimizer state
+    (`optax.inject_hyperparams`) instead of being constants of the compiled step: the step gets
+    this step's learning rate as an input, so sweep trials that differ only in these settings
+    run one compiled program, shared through the persistent compilation cache.
+    """
+
+    def chain(learning_rate, weight_decay, max_grad_norm):
+        return optax.chain(
+            optax.clip_by_global_norm(max_grad_norm),
+            optax.adamw(
+                learning_rate,
+                b1=0.9,
+                b2=0.999,
+                eps=1e-8,
+                weight_decay=weight_decay,
+                mask=decay_mask,
+            ),
         )
+
+    return optax.inject_hyperparams(chain)(
+        learning_rate=0.0,
+        weight_decay=cfg.weight_decay,
+        max_grad_norm=cfg.max_grad_norm if cfg.max_grad_norm > 0 else math.inf,
     )
-    return optax.chain(*parts)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -123,12 +141,13 @@ def _loss(graphdef, params, batch, key, deterministic: bool):
 
 
 def make_train_step(graphdef, tx, mesh, seed: int):
-    """One optimizer step over a global batch [accum, micro, length]; state is donated."""
+    """One optimizer step over a global batch [accum, micro, length] at the given learning rate;
+    state is donated."""
     rep = distributed.replicated(mesh)
     base_key = jax.random.key(seed)
 
     @partial(jax.jit, donate_argnums=(0, 1), out_shardings=(rep, rep, rep))
-    def train_step(params, opt_state, batch, step):
+    def train_step(params, opt_state, batch, step, learning_rate):
         key = jax.random.fold_in(base_key, step)
         grad_fn = jax.value_and_grad(partial(_loss, graphdef, deterministic=False), has_aux=True)
 
@@ -143,7 +162,8 @@ def make_train_step(graphdef, tx, mesh, seed: int):
         init = (zeros, jnp.zeros(()), jnp.zeros(()))
         (grads, loss, acc), _ = jax.lax.scan(micro, init, (batch, jnp.arange(accum)))
         grads = jax.tree.map(lambda g: g / accum, grads)
-        updates, opt_state = tx.update(grads, opt_state, params)
+        hyperparams = {**opt_state.hyperparams, "learning_rate": learning_rate}
+        updates, opt_state = tx.update(grads, opt_state._replace(hyperparams=hyperparams), params)
         params = optax.apply_updates(params, updates)
         metrics = {
             "loss": loss / accum,
@@ -267,11 +287,12 @@ def train_and_evaluate(cfg: TrainConfig) -> dict:
     # Model, optimizer, state on the mesh.
     model, tokenizer_dir, fresh = build_model(cfg, num_labels)
     graphdef, params = nnx.split(model)
-    schedule = make_schedule(cfg, total_steps)
-    # The learning rate for logging, computed once: evaluating the schedule during the loop
-    # would queue behind the running step and stall the host.
-    host_lr = np.asarray(jax.vmap(schedule)(jnp.arange(total_steps + 1)))
-    tx = make_optimizer(cfg, schedule)
+    # The schedule, computed once on the host: each step gets its learning rate as an input
+    # (see make_optimizer), and evaluating it during the loop would stall the host.
+    host_lr = np.asarray(
+        jax.vmap(make_schedule(cfg, total_steps))(jnp.arange(total_steps + 1)), np.float32
+    )
+    tx = make_optimizer(cfg)
     params = distributed.replicate(params, mesh)
     opt_state = jax.jit(tx.init, out_shardings=distributed.replicated(mesh))(params)
 
@@ -400,7 +421,7 @@ def train_and_evaluate(cfg: TrainConfig) -> dict:
             if step >= total_steps:
                 break
             batch = distributed.global_batch(local, mesh, leading=1)
-            params, opt_state, metrics = train_step(params, opt_state, batch, step)
+            params, opt_state, metrics = train_step(params, opt_state, batch, step, host_lr[step])
             if pending is not None:
                 report_step(*pending)
             pending = (step, metrics)

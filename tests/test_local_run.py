@@ -1,0 +1,92 @@
+"""The local run's budgets and its terminal output (no pipeline is run here)."""
+
+from __future__ import annotations
+
+import io
+
+import pytest
+
+from kubejax.local_run import PROFILES, RunLog, choose_profile, describe_budget, embedded_params
+
+PROFILE_CASES = [
+    ("embedded data, no profile", None, {}, "demo"),
+    ("own data, no profile", None, {"source": "reviews.csv"}, "quick"),
+    ("own data, full", "full", {"source": "reviews.csv"}, "full"),
+    ("embedded data, quick", "quick", {}, "quick"),
+]
+
+
+@pytest.mark.parametrize(
+    ("name", "asked", "overrides", "expected"), PROFILE_CASES, ids=[c[0] for c in PROFILE_CASES]
+)
+def test_profile_choice(name, asked, overrides, expected):
+    assert choose_profile(asked, overrides) == expected
+
+
+@pytest.mark.parametrize(
+    ("asked", "overrides", "message"),
+    [
+        ("demo", {"source": "reviews.csv"}, "demo is sized for the embedded synthetic data"),
+        ("huge", {}, "'huge' is not one of demo, quick, full"),
+    ],
+)
+def test_bad_profile_is_refused_naming_the_flag(asked, overrides, message):
+    with pytest.raises(ValueError, match="--profile") as err:
+        choose_profile(asked, overrides)
+    assert message in str(err.value)
+
+
+def test_only_the_demo_profile_caps_the_evaluation(tmp_path):
+    demo, quick, full = (embedded_params(tmp_path, p) for p in ("demo", "quick", "full"))
+    assert demo["max_test_samples"] == 500
+    assert quick["max_test_samples"] == full["max_test_samples"] == 0
+    assert quick["max_length"] == 128 and full["max_length"] == 256
+    assert "max_steps" not in quick["train_hyperparameters"]  # whole epochs
+    assert full["train_hyperparameters"]["epochs"] == 3
+    for params in (quick, full):
+        assert params["train_hyperparameters"]["max_length"] == params["max_length"]
+
+
+def test_budget_line_says_what_applies(tmp_path):
+    demo = describe_budget("demo", embedded_params(tmp_path, "demo"))
+    assert demo.startswith("budget: profile demo: max_length 64; 4 trials × 16 steps")
+    assert "final training 60 steps on 2 worker(s)" in demo and "test ≤ 500 rows" in demo
+    quick = describe_budget("quick", embedded_params(tmp_path, "quick"))
+    assert "final training 1 epoch(s)" in quick and "validation ≤ 1000 rows" in quick
+    assert "every row of every split" in describe_budget("full", embedded_params(tmp_path, "full"))
+    assert set(PROFILES) == {"demo", "quick", "full"}
+
+
+KFP_LINES = """\
+06:00:00.000 - INFO - Executing task \x1b[96m'train'\x1b[0m
+06:00:00.001 - INFO - Streamed logs:
+    [KFP Executor 2026-12-03 06:00:00,100 INFO]: Got executor_input:
+    {"inputs": {}}
+    kubejax: launching JAXJob kubejax-train-1 (2 worker(s), local backend)
+    [worker-1] step 5/10 | loss 1.0
+    [worker-0] step 5/10 | loss 1.0 | lr 1e-04 | 20 ex/s
+    [worker-0] Traceback (most recent call last):
+06:00:03.000 - ERROR - Task \x1b[96m'train'\x1b[0m finished with status \x1b[91mFAILURE\x1b[0m
+"""
+
+
+def test_run_log_filters_the_terminal_and_keeps_everything(tmp_path):
+    terminal = io.StringIO()
+    with RunLog(tmp_path / "run.log", terminal) as log:
+        for chunk in (KFP_LINES[:50], KFP_LINES[50:]):  # writes need not end at a newline
+            print(chunk, end="")
+    shown = terminal.getvalue()
+    assert "train: started" in shown and "train: FAILURE in" in shown
+    assert "[worker-0] step 5/10" in shown and "kubejax: launching JAXJob" in shown
+    assert "[worker-1] step" not in shown.split("FAILURE")[0]  # only worker 0's progress
+    assert "Traceback" in shown.split("FAILURE")[1]  # a failed task's last lines are shown
+    assert "executor_input" not in shown.split("FAILURE")[0]
+    assert (tmp_path / "run.log").read_text() == KFP_LINES
+    assert [t["task"] for t in log.tasks] == ["train"] and log.tasks[0]["status"] == "FAILURE"
+
+
+def test_run_log_verbose_shows_everything(tmp_path):
+    terminal = io.StringIO()
+    with RunLog(tmp_path / "run.log", terminal, verbose=True):
+        print(KFP_LINES, end="")
+    assert terminal.getvalue() == KFP_LINES
