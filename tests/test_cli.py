@@ -16,6 +16,8 @@ from tests.helpers import tiny_args
 
 SUBCOMMANDS = [
     ["prepare"],
+    ["render"],
+    ["launch"],
     ["jaxjob"],
     ["jaxjob", "render"],
     ["jaxjob", "run"],
@@ -100,6 +102,22 @@ def test_jaxjob_run_local_two_workers(tmp_path, tiny_model_dir, prepared, capsys
     printed = capsys.readouterr().out
     assert "[worker-0]" in printed and "[worker-1]" in printed and "Succeeded" in printed
     assert json.loads((out / "metrics.json").read_text())["final"]["num_processes"] == 2
+
+
+def test_render_trainjob_validates_against_the_crd(capsys):
+    import jsonschema
+
+    from tests.jaxjob.test_spec import unknown_fields
+
+    crd = Path(__file__).parent / "data" / "trainer-v2.3.0" / "trainer.kubeflow.org_trainjobs.yaml"
+    schema = yaml.safe_load(crd.read_text())["spec"]["versions"][0]["schema"]["openAPIV3Schema"]
+    argv = ["render", "--engine", "trainjob", "--replicas", "3", "--gpus", "1", "--env", "A=1"]
+    assert main([*argv, "--", "--model", "m"]) == 0
+    manifest = yaml.safe_load(capsys.readouterr().out)
+    jsonschema.validate(manifest, schema)
+    assert unknown_fields(manifest, schema) == []
+    assert manifest["spec"]["trainer"]["numNodes"] == 3
+    assert manifest["spec"]["trainer"]["args"] == ["--model", "m"]
 
 
 def test_run_local_rejects_unknown_and_bad_params(tmp_path, capsys):

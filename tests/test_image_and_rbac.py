@@ -50,32 +50,62 @@ def test_image_runs_as_non_root_and_tag_follows_the_version():
     assert f"image: {IMAGE}" in compiled
 
 
-def _verb(method: str, path: str) -> tuple[str, str]:
-    resource = (
-        "pods/log"
-        if path.split("?")[0].endswith("/log")
-        else ("jaxjobs" if "/jaxjobs" in path else "pods")
-    )
-    named = not path.split("?")[0].rstrip("/").endswith(("/jaxjobs", "/pods"))
+#: Discovery (/apis/<group>/<version>) is open to every authenticated user (system:discovery).
+_DISCOVERY = ("/apis/kubeflow.org/v1", "/apis/trainer.kubeflow.org/v1alpha1")
+_RESOURCES = ("jaxjobs", "trainjobs", "clustertrainingruntimes", "pods")
+
+
+def _verb(method: str, path: str) -> tuple[str, str] | None:
+    """The RBAC (resource, verb) of a request to the fake API server."""
+    path = path.split("?")[0].rstrip("/")
+    if path in _DISCOVERY:
+        return None
+    if path.endswith("/log"):
+        return "pods/log", "get"
+    parts = path.split("/")
+    resource = next(r for r in _RESOURCES if r in parts)
+    named = parts[-1] != resource
     verb = {"POST": "create", "DELETE": "delete"}.get(method, "get" if named else "list")
     return resource, verb
 
 
-def test_fake_rbac_role_grants_exactly_what_the_launcher_uses():
-    role = next(
+def _granted() -> set[tuple[str, str]]:
+    roles = [
         d
         for d in yaml.safe_load_all((ROOT / "manifests" / "rbac.yaml").read_text())
-        if d["kind"] == "Role"
-    )
-    granted = {(r, v) for rule in role["rules"] for r in rule["resources"] for v in rule["verbs"]}
+        if d["kind"] in ("Role", "ClusterRole")
+    ]
+    return {
+        (r, v)
+        for role in roles
+        for rule in role["rules"]
+        for r in rule["resources"]
+        for v in rule["verbs"]
+    }
+
+
+ENGINE_SCRIPTS = {
+    "jaxjob": (
+        [[condition("Created")], [condition("Created"), condition("Succeeded")]],
+        [[condition("Created"), condition("Failed", "X", "y")]],
+    ),
+    "trainjob": (
+        [[], [condition("Complete", kind="TrainJob")]],
+        [[condition("Failed", "X", "y", kind="TrainJob")]],
+    ),
+}
+
+
+def _requests_of(engine: str) -> set[tuple[str, str]]:
+    """The (resource, verb) pairs the launcher uses on one engine, success and failure."""
     used = set()
-    script_ok = [[condition("Created")], [condition("Created"), condition("Succeeded")]]
-    script_bad = [[condition("Created"), condition("Failed", "X", "y")]]
-    for script, failed_pod in ((script_ok, None), (script_bad, 0)):
-        with FakeKubernetes(script=script, failed_pod=failed_pod) as fake:
+    ok, bad = ENGINE_SCRIPTS[engine]
+    for script, failed_pod in ((ok, None), (bad, 0)):
+        with FakeKubernetes(script=script, failed_pod=failed_pod, served=(engine,)) as fake:
             client = JAXJobClient(
                 "kubernetes", namespace="ns", client_configuration=fake.client_configuration()
             )
+            assert client.backend_name == engine
             spec = JAXJobSpec(name="rbac", image="i", command=["python"])
             # The failing script raises JobFailedError.
             with contextlib.suppress(JobFailedError):
@@ -88,5 +118,11 @@ def test_fake_rbac_role_grants_exactly_what_the_launcher_uses():
                     delete="always",
                 )
             client.list_jobs()
-            used |= {_verb(m, p) for m, p in fake.requests}
-    assert used == granted
+            used |= {v for m, p in fake.requests if (v := _verb(m, p)) is not None}
+    return used
+
+
+def test_fake_rbac_roles_grant_exactly_what_the_launcher_uses_on_both_engines():
+    jaxjob, trainjob = _requests_of("jaxjob"), _requests_of("trainjob")
+    assert {r for r, _ in jaxjob} >= {"jaxjobs"} and {r for r, _ in trainjob} >= {"trainjobs"}
+    assert jaxjob | trainjob == _granted()

@@ -1,8 +1,9 @@
 """The `kubejax` command line.
 
 kubejax prepare --tokenizer MODEL --source FILE_OR_HUB_ID --output DIR
-kubejax jaxjob render [options] -- TRAINER_ARGS
-kubejax jaxjob run --local --replicas N [options] -- TRAINER_ARGS
+kubejax render --engine {trainjob,jaxjob} [options] -- TRAINER_ARGS
+kubejax launch --engine {auto,local,trainjob,jaxjob} --replicas N [options] -- TRAINER_ARGS
+kubejax jaxjob render|run ...   (the same as render/launch with the JAXJob engine)
 kubejax tune --data-dir DIR --model MODEL --space JSON [options]
 kubejax evaluate --model-dir DIR --data-dir DIR
 kubejax compile [--output-dir compiled]
@@ -19,6 +20,7 @@ import sys
 import typing
 from pathlib import Path
 
+from kubejax.jaxjob.client import BACKENDS, in_cluster
 from kubejax.version import IMAGE, __version__
 
 EXIT_BAD_INPUT = 2
@@ -97,8 +99,55 @@ def _prepare(args) -> int:
 # jaxjob
 
 
+def _job_options(q) -> None:
+    q.add_argument("--name", default="kubejax-train", help="job name (DNS-1035)")
+    q.add_argument("--replicas", type=int, default=1, help="number of workers (nodes)")
+    q.add_argument(
+        "--restart-policy",
+        default="OnFailure",
+        help="Never, OnFailure, Always or ExitCode (JAXJob; a TrainJob's come from its runtime)",
+    )
+    q.add_argument("--backoff-limit", type=int, default=3, help="group restarts allowed")
+    q.add_argument("--active-deadline", type=int, default=None, help="activeDeadlineSeconds")
+    q.add_argument("--image", default=IMAGE, help="worker image")
+    q.add_argument("--namespace", default=None)
+    q.add_argument("--cpu", default=None, help="CPU limit per worker, e.g. 4")
+    q.add_argument("--memory", default=None, help="memory limit per worker, e.g. 16Gi")
+    q.add_argument("--gpus", type=int, default=0, help="nvidia.com/gpu per worker")
+    q.add_argument("--tpus", type=int, default=0, help="google.com/tpu per worker")
+    q.add_argument("--env", action="append", default=[], metavar="NAME=VALUE")
+
+
+def _add_render_and_launch(sub) -> None:
+    r = sub.add_parser(
+        "render",
+        help="print the TrainJob or JAXJob manifest of a training as YAML (for kubectl)",
+        description="Print the manifest; trainer flags follow '--'.",
+    )
+    r.add_argument("--engine", default="trainjob", choices=("trainjob", "jaxjob"))
+    _job_options(r)
+    r.set_defaults(func=_jaxjob_render)
+    q = sub.add_parser(
+        "launch",
+        help="run a training as a TrainJob, a JAXJob or local processes, and wait for it",
+        description="Launch the trainer; trainer flags follow '--'. --engine kubernetes or "
+        "auto (in a pod) asks the cluster which engine it serves, TrainJob first.",
+    )
+    q.add_argument("--engine", default="auto", choices=BACKENDS)
+    q.add_argument(
+        "--env-contract",
+        default="jaxjob",
+        choices=("jaxjob", "trainjob"),
+        help="local engine: which operator's environment the workers get",
+    )
+    _job_options(q)
+    q.add_argument("--timeout", type=float, default=24 * 3600, help="seconds to wait")
+    q.add_argument("--log-dir", default=None, help="where worker logs go (local)")
+    q.set_defaults(func=_jaxjob_run)
+
+
 def _add_jaxjob(sub) -> None:
-    p = sub.add_parser("jaxjob", help="render or run a trainer JAXJob")
+    p = sub.add_parser("jaxjob", help="render or run a trainer JAXJob (see render, launch)")
     jsub = p.add_subparsers(dest="jaxjob_command", required=True)
 
     def common(q):
@@ -123,7 +172,7 @@ def _add_jaxjob(sub) -> None:
         description="Print the manifest; trainer flags follow '--'.",
     )
     common(r)
-    r.set_defaults(func=_jaxjob_render)
+    r.set_defaults(func=_jaxjob_render, engine="jaxjob")
     run = jsub.add_parser(
         "run",
         help="run the JAXJob (--local: on this machine)",
@@ -133,7 +182,7 @@ def _add_jaxjob(sub) -> None:
     run.add_argument("--local", action="store_true", help="use the local backend")
     run.add_argument("--timeout", type=float, default=24 * 3600, help="seconds to wait")
     run.add_argument("--log-dir", default=None, help="where worker logs go (local)")
-    run.set_defaults(func=_jaxjob_run)
+    run.set_defaults(func=_jaxjob_run, engine=None, env_contract="jaxjob")
 
 
 def _spec_from_args(args):
@@ -164,8 +213,10 @@ def _jaxjob_render(args) -> int:
     import yaml
 
     from kubejax.jaxjob.spec import build_manifest
+    from kubejax.jaxjob.trainjob import build_trainjob_manifest
 
-    print(yaml.safe_dump(build_manifest(_spec_from_args(args)), sort_keys=False), end="")
+    build = build_trainjob_manifest if args.engine == "trainjob" else build_manifest
+    print(yaml.safe_dump(build(_spec_from_args(args)), sort_keys=False), end="")
     return 0
 
 
@@ -174,10 +225,13 @@ def _jaxjob_run(args) -> int:
     from kubejax.jaxjob.launch import run_job
 
     spec = _spec_from_args(args)
-    if args.local:
-        client = JAXJobClient("local", log_root=args.log_dir, echo=True)
+    engine = args.engine or ("local" if args.local else "jaxjob")
+    if engine == "local" or (engine == "auto" and not in_cluster()):
+        client = JAXJobClient(
+            "local", log_root=args.log_dir, echo=True, env_contract=args.env_contract
+        )
     else:
-        client = JAXJobClient("kubernetes", namespace=args.namespace)
+        client = JAXJobClient(engine, namespace=args.namespace)
     try:
         status = run_job(
             client,
@@ -189,7 +243,7 @@ def _jaxjob_run(args) -> int:
     except JobFailedError as err:
         print(f"kubejax: {err}", file=sys.stderr)
         return 1
-    print(f"kubejax: JAXJob {spec.name} {status.state}")
+    print(f"kubejax: {client.kind} {spec.name} {status.state}")
     return 0
 
 
@@ -219,7 +273,13 @@ def _add_tune(sub) -> None:
     p.add_argument("--max-failed-trials", type=int, default=2)
     p.add_argument("--trial-timeout", type=float, default=3600)
     p.add_argument("--replicas", type=int, default=1, help="workers per trial")
-    p.add_argument("--backend", default="local", choices=("local", "kubernetes", "auto"))
+    p.add_argument(
+        "--backend",
+        default="local",
+        choices=BACKENDS,
+        help="engine of the trials: local processes, trainjob, jaxjob, or kubernetes/auto "
+        "(ask the cluster, TrainJob first)",
+    )
     p.add_argument("--image", default=IMAGE)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--mlflow-tracking-uri", default="")
@@ -432,6 +492,7 @@ def build_parser() -> argparse.ArgumentParser:
     sub = p.add_subparsers(dest="command", required=True)
     for add in (
         _add_prepare,
+        _add_render_and_launch,
         _add_jaxjob,
         _add_tune,
         _add_evaluate,

@@ -173,7 +173,7 @@ def train_with_jaxjob(
     else:
         data_dir = Path(dataset_path)
         output_dir = Path(model_path).parent / f"{name}-output"
-    if client.backend_name == "kubernetes" and not workspace:
+    if client.on_cluster and not workspace:
         raise ConfigError("workspace: required on kubernetes (the JAXJob pods read data from it)")
     labels, annotations = kfp_labels(run_id, task_name)
     tags = {"kubejax.jaxjob": name, "kfp.run_id": run_id, "kfp.task_name": task_name}
@@ -196,7 +196,10 @@ def train_with_jaxjob(
         annotations=annotations,
         extra_env=extra_env,
     )
-    log(f"kubejax: launching JAXJob {name} ({replicas} worker(s), {client.backend_name} backend)")
+    log(
+        f"kubejax: launching {client.kind} {name} ({replicas} worker(s), "
+        f"{client.backend_name} backend)"
+    )
     run_job(client, spec, timeout=timeout + 60, delete=delete, log=log)
     metrics = json.loads((output_dir / METRICS_FILE).read_text())
     _copytree(output_dir / MODEL_DIR, Path(model_path))

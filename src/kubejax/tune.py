@@ -394,7 +394,7 @@ def tune(
                         "reason": "Timeout",
                         "message": f"ran past {cfg.trial_timeout}s",
                     }
-                    tail = client.backend.log_tail(a.name)
+                    tail = client.failure_log(a.name)
                     client.delete_job(a.name)
                     last = tail.strip().splitlines()[-1] if tail.strip() else ""
                     failures.append(

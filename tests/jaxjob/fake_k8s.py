@@ -1,8 +1,10 @@
-"""A FAKE Kubernetes API server on 127.0.0.1 for the JAXJob kubernetes backend's tests.
+"""A FAKE Kubernetes API server on 127.0.0.1 for the JAXJob and TrainJob backends' tests.
 
 It records every request and plays a scripted list of status transitions: each GET of a job
-moves it one step along `script` (the last step repeats). Pods `<job>-worker-<i>` exist once
-the job does; their log is `log_lines`.
+moves it one step along `script` (the last step repeats). It answers API discovery for the
+engines in `served`, and ClusterTrainingRuntime reads for the names in `runtimes`. Pods exist
+once the job does (`<job>-worker-<i>` for a JAXJob, `<job>-node-0-<i>-x` with the JobSet and
+completion-index labels for a TrainJob); their log is `log_lines`.
 """
 
 from __future__ import annotations
@@ -13,16 +15,27 @@ import threading
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from urllib.parse import parse_qs, urlparse
 
-JOBS = re.compile(r"^/apis/kubeflow\.org/v1/namespaces/([^/]+)/jaxjobs(?:/([^/]+))?$")
+JOBS = re.compile(
+    r"^/apis/(?:kubeflow\.org/v1|trainer\.kubeflow\.org/v1alpha1)/namespaces/([^/]+)/"
+    r"(?:jaxjobs|trainjobs)(?:/([^/]+))?$"
+)
+RUNTIMES = re.compile(r"^/apis/trainer\.kubeflow\.org/v1alpha1/clustertrainingruntimes/([^/]+)$")
+DISCOVERY = {
+    "/apis/kubeflow.org/v1": ("jaxjob", ["jaxjobs", "jaxjobs/status"]),
+    "/apis/trainer.kubeflow.org/v1alpha1": (
+        "trainjob",
+        ["trainjobs", "trainjobs/status", "clustertrainingruntimes"],
+    ),
+}
 PODS = re.compile(r"^/api/v1/namespaces/([^/]+)/pods(?:/([^/]+))?(/log)?$")
 
 
-def condition(type_: str, reason: str = "", message: str = "") -> dict:
+def condition(type_: str, reason: str = "", message: str = "", kind: str = "JAXJob") -> dict:
     return {
         "type": type_,
         "status": "True",
-        "reason": reason or f"JAXJob{type_}",
-        "message": message or f"JAXJob is {type_.lower()}.",
+        "reason": reason or f"{kind}{type_}",
+        "message": message or f"{kind} is {type_.lower()}.",
         "lastTransitionTime": "2026-12-02T00:00:00Z",
     }
 
@@ -35,12 +48,19 @@ class FakeKubernetes:
         script: list[list[dict]] | None = None,
         log_lines: list[str] | None = None,
         failed_pod: int | None = None,
+        served: tuple[str, ...] = ("jaxjob",),
+        runtimes: tuple[str, ...] = ("jax-distributed",),
     ):
-        self.script = script or [
-            [condition("Created")],
-            [condition("Created"), condition("Running")],
-            [condition("Created"), condition("Running"), condition("Succeeded")],
-        ]
+        self.served, self.runtimes = served, runtimes
+        self.script = script or (
+            [[], [], [condition("Complete", kind="TrainJob")]]
+            if served == ("trainjob",)
+            else [
+                [condition("Created")],
+                [condition("Created"), condition("Running")],
+                [condition("Created"), condition("Running"), condition("Succeeded")],
+            ]
+        )
         self.log_lines = log_lines or ["step 1/2 | loss 1.0", "step 2/2 | loss 0.5"]
         self.failed_pod = failed_pod
         self.requests: list[tuple[str, str]] = []
@@ -114,6 +134,15 @@ class FakeKubernetes:
                     if m.group(2) not in fake.jobs:
                         return self._not_found("jaxjob")
                     return self._send(200, fake.advance(m.group(2)))
+                if url.path in DISCOVERY and DISCOVERY[url.path][0] in fake.served:
+                    names = DISCOVERY[url.path][1]
+                    return self._send(
+                        200,
+                        {"kind": "APIResourceList", "resources": [{"name": n} for n in names]},
+                    )
+                m = RUNTIMES.match(url.path)
+                if m and "trainjob" in fake.served and m.group(1) in fake.runtimes:
+                    return self._send(200, {"kind": "ClusterTrainingRuntime", "metadata": {}})
                 m = PODS.match(url.path)
                 if m and m.group(2) is None:
                     selector = parse_qs(url.query).get("labelSelector", [""])[0]
@@ -146,10 +175,18 @@ class FakeKubernetes:
 
     def job(self, name: str) -> dict:
         obj = dict(self.jobs[name])
-        obj["status"] = {
-            "conditions": self.script[min(self.steps[name], len(self.script) - 1)],
-            "replicaStatuses": {"Worker": {"active": 1}},
-        }
+        conditions = self.script[min(self.steps[name], len(self.script) - 1)]
+        if obj["kind"] == "TrainJob":
+            done = any(c["type"] in ("Complete", "Failed") for c in conditions)
+            obj["status"] = {
+                "conditions": conditions,
+                "jobsStatus": [{"name": "node", "active": 0 if done else 1}],
+            }
+        else:
+            obj["status"] = {
+                "conditions": conditions,
+                "replicaStatuses": {"Worker": {"active": 1}},
+            }
         return obj
 
     def advance(self, name: str) -> dict:
@@ -161,6 +198,24 @@ class FakeKubernetes:
     def pods(self, job: str) -> list[dict]:
         if job not in self.jobs:
             return []
+        if self.jobs[job]["kind"] == "TrainJob":
+            n = self.jobs[job]["spec"]["trainer"].get("numNodes", 1)
+            return [
+                {
+                    "kind": "Pod",
+                    "apiVersion": "v1",
+                    "metadata": {
+                        "name": f"{job}-node-0-{i}-x",
+                        "namespace": "ns",
+                        "labels": {
+                            "jobset.sigs.k8s.io/jobset-name": job,
+                            "batch.kubernetes.io/job-completion-index": str(i),
+                        },
+                    },
+                    "status": {"phase": "Failed" if i == self.failed_pod else "Running"},
+                }
+                for i in range(n)
+            ]
         n = self.jobs[job]["spec"]["jaxReplicaSpecs"]["Worker"].get("replicas", 1)
         return [
             {

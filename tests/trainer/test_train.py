@@ -38,8 +38,10 @@ def _comparable(before: dict, *runs: dict) -> tuple[dict, ...]:
     return tuple({k: r[k] for k in keys} for r in (before, *runs))
 
 
-def _run_local(name: str, replicas: int, args: list[str], tmp_path: Path, **spec) -> None:
-    client = JAXJobClient("local", log_root=tmp_path / "logs")
+def _run_local(
+    name: str, replicas: int, args: list[str], tmp_path: Path, contract="jaxjob", **spec
+) -> None:
+    client = JAXJobClient("local", log_root=tmp_path / "logs", env_contract=contract)
     job = JAXJobSpec(
         name=name, image="local", command=trainer_cmd()[:3], args=args, replicas=replicas, **spec
     )
@@ -63,6 +65,12 @@ def test_two_processes_equal_one_process(tmp_path, tiny_model_dir, prepared):
     assert_same_training(*_comparable(_base_params(tiny_model_dir), pa, pb), rel=1e-3)
     meta = json.loads((two / "metrics.json").read_text())
     assert meta["final"]["num_processes"] == 2
+    # Kubeflow Trainer v2's environment (JAX_COORDINATOR_ADDRESS host:port, JAX_NUM_PROCESSES,
+    # JAX_PROCESS_ID): the same two processes, the same program, the same losses.
+    v2 = tmp_path / "trainjob"
+    _run_local("dp-v2", 2, tiny_args(tiny_model_dir, prepared, v2), tmp_path, contract="trainjob")
+    assert json.loads((v2 / "metrics.json").read_text())["final"]["num_processes"] == 2
+    np.testing.assert_allclose(_losses(v2), b, rtol=1e-6)
     assert sorted(p.name for p in (two / "resources").iterdir()) == [
         "worker-0.json",
         "worker-1.json",

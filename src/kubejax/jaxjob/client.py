@@ -6,9 +6,12 @@
     client.get_job_logs(spec.name)
     client.delete_job(spec.name)
 
-`kubernetes` talks to a cluster's Training Operator; `local` starts the workers as processes on
-this machine with the operator's environment contract. Everything that launches training (the
-train step and every sweep trial) goes through this client.
+Backends (the "engine"): `trainjob` runs Kubeflow Trainer v2 TrainJobs on the `jax-distributed`
+runtime, `jaxjob` Training Operator v1 JAXJobs, `local` starts the workers as processes on this
+machine with either engine's environment contract. `kubernetes` asks the API server which of the
+two CRDs it serves (TrainJob first); `auto` is that inside a cluster and `local` elsewhere.
+Everything that launches training (the train step and every sweep trial) goes through this
+client.
 """
 
 from __future__ import annotations
@@ -30,7 +33,13 @@ CREATED, RUNNING, RESTARTING, SUCCEEDED, FAILED, SUSPENDED = (
 CONDITION_TYPES = (CREATED, RUNNING, RESTARTING, SUCCEEDED, FAILED, SUSPENDED)
 TERMINAL = frozenset({SUCCEEDED, FAILED})
 POLL_SECONDS = 5.0
-BACKENDS = ("auto", "kubernetes", "local")
+BACKENDS = ("auto", "kubernetes", "trainjob", "jaxjob", "local")
+CLUSTER_ENGINES = ("trainjob", "jaxjob")
+#: (API group/version path, resource) that says a cluster serves each engine, preferred first.
+_ENGINE_RESOURCES = {
+    "trainjob": ("/apis/trainer.kubeflow.org/v1alpha1", "trainjobs"),
+    "jaxjob": ("/apis/kubeflow.org/v1", "jaxjobs"),
+}
 
 
 class JobFailedError(RuntimeError):
@@ -73,16 +82,68 @@ def in_cluster() -> bool:
     return bool(os.environ.get("KUBERNETES_SERVICE_HOST"))
 
 
+class EngineNotFoundError(RuntimeError):
+    """The cluster serves neither TrainJob nor JAXJob."""
+
+
+def served_engines(client_configuration=None) -> list[str]:
+    """The engines whose CRD the API server serves (discovery), preferred first."""
+    from kubernetes import client, config
+    from kubernetes.client.rest import ApiException
+
+    if client_configuration is None:
+        try:
+            config.load_incluster_config()
+        except config.ConfigException:
+            config.load_kube_config()
+        api = client.ApiClient()
+    else:
+        api = client.ApiClient(client_configuration)
+    found = []
+    for engine, (path, resource) in _ENGINE_RESOURCES.items():
+        try:
+            data = api.call_api(path, "GET", response_type="object", auth_settings=["BearerToken"])[
+                0
+            ]
+        except ApiException as err:
+            if err.status == 404:
+                continue
+            raise
+        if any(r.get("name") == resource for r in (data or {}).get("resources", [])):
+            found.append(engine)
+    return found
+
+
+def resolve_engine(backend: str, client_configuration=None) -> str:
+    """`auto` → a cluster engine inside a pod, else `local`; `kubernetes` → the first engine
+    the cluster serves (TrainJob, then JAXJob); anything else as it is."""
+    if backend not in BACKENDS:
+        raise ValueError(f"backend: {backend!r} is not one of {', '.join(BACKENDS)}")
+    if backend == "auto":
+        backend = "kubernetes" if in_cluster() else "local"
+    if backend != "kubernetes":
+        return backend
+    engines = served_engines(client_configuration)
+    if not engines:
+        raise EngineNotFoundError(
+            "backend: this cluster serves neither TrainJob (install Kubeflow Trainer v2.2 or "
+            "later, with its jax-distributed runtime) nor JAXJob (install the Kubeflow "
+            "Training Operator v1.9)"
+        )
+    return engines[0]
+
+
 class JAXJobClient:
     """Create, watch, read and delete JAXJobs on the chosen backend."""
 
     def __init__(self, backend: str = "auto", **backend_options):
-        if backend not in BACKENDS:
-            raise ValueError(f"backend: {backend!r} is not one of {', '.join(BACKENDS)}")
-        if backend == "auto":
-            backend = "kubernetes" if in_cluster() else "local"
-        self.backend_name = backend
-        if backend == "kubernetes":
+        engine = resolve_engine(backend, backend_options.get("client_configuration"))
+        self.backend_name = engine
+        if engine == "trainjob":
+            from kubejax.jaxjob.trainjob_backend import TrainJobBackend
+
+            self.backend = TrainJobBackend(**backend_options)
+        elif engine == "jaxjob":
             from kubejax.jaxjob.kubernetes import KubernetesBackend
 
             self.backend = KubernetesBackend(**backend_options)
@@ -90,6 +151,20 @@ class JAXJobClient:
             from kubejax.jaxjob.local import LocalBackend
 
             self.backend = LocalBackend(**backend_options)
+
+    @property
+    def on_cluster(self) -> bool:
+        """True when jobs run on Kubernetes (their pods read data from the workspace)."""
+        return self.backend_name in CLUSTER_ENGINES
+
+    @property
+    def kind(self) -> str:
+        """The kind of job this client creates, for messages."""
+        return "TrainJob" if self.backend_name == "trainjob" else "JAXJob"
+
+    def failure_log(self, name: str) -> str:
+        """The last log lines of the job's failed worker (else of worker 0)."""
+        return self.backend.log_tail(name)
 
     def create_job(self, spec: JAXJobSpec) -> str:
         """Create the job; if one of that name exists already, attach to it. Returns the name."""

@@ -68,7 +68,7 @@ def run_job(
         raise ValueError(f"delete: {delete!r} is not one of {', '.join(DELETE_POLICIES)}")
     name = client.create_job(spec)
     streamer = None
-    if log is not None and client.backend_name == "kubernetes":
+    if log is not None and client.on_cluster:
         streamer = _stream(client, name, log)
     kwargs = {} if polling_interval is None else {"polling_interval": polling_interval}
     with delete_on_sigterm(client, lambda: [name]):
@@ -81,7 +81,7 @@ def run_job(
             streamer.join(timeout=10)
         if status.state == FAILED:
             cond = status.condition(FAILED) or {}
-            tail = client.backend.log_tail(name)
+            tail = client.failure_log(name)
             if delete == "always":
                 client.delete_job(name)
             raise JobFailedError(name, cond.get("reason", "Failed"), cond.get("message", ""), tail)

@@ -1,7 +1,9 @@
 """The local JAXJob backend: real worker processes on this machine.
 
 It keeps the Training Operator's contract: every worker gets COORDINATOR_ADDRESS (127.0.0.1),
-COORDINATOR_PORT (a free port), NUM_PROCESSES, PROCESS_ID and PYTHONUNBUFFERED=1. A JAX job is
+COORDINATOR_PORT (a free port), NUM_PROCESSES, PROCESS_ID and PYTHONUNBUFFERED=1; with
+`env_contract="trainjob"`, Kubeflow Trainer v2's instead (JAX_COORDINATOR_ADDRESS as
+host:port, JAX_NUM_PROCESSES, JAX_PROCESS_ID). A JAX job is
 a group: when one worker fails, the others are stopped too, and with restartPolicy OnFailure,
 Always or ExitCode (retryable codes, 128 and above) the whole group restarts, up to backoffLimit
 times. activeDeadlineSeconds stops every worker. Workers run in their own process sessions, so
@@ -64,9 +66,21 @@ def _stop_group(proc: subprocess.Popen) -> None:
     proc.wait()
 
 
+#: The environment each engine gives a worker: Training Operator v1 (JAXJob) or Kubeflow
+#: Trainer v2's jax-distributed runtime (TrainJob).
+ENV_CONTRACTS = ("jaxjob", "trainjob")
+
+
 class _LocalJob:
-    def __init__(self, spec: JAXJobSpec, log_dir: Path, echo: Callable[[str], None] | None):
+    def __init__(
+        self,
+        spec: JAXJobSpec,
+        log_dir: Path,
+        echo: Callable[[str], None] | None,
+        env_contract: str = "jaxjob",
+    ):
         self.spec = spec
+        self.env_contract = env_contract
         self.log_dir = log_dir
         self.echo = echo
         self.conditions: list[dict] = []
@@ -113,13 +127,20 @@ class _LocalJob:
                 env[e["name"]] = str(e["value"])
             # valueFrom (secrets, field refs) has no local meaning: the local environment
             # provides such variables itself.
-        env.update(
-            COORDINATOR_ADDRESS="127.0.0.1",
-            COORDINATOR_PORT=str(port),
-            NUM_PROCESSES=str(self.spec.replicas),
-            PROCESS_ID=str(index),
-            PYTHONUNBUFFERED="1",
-        )
+        env["PYTHONUNBUFFERED"] = "1"
+        if self.env_contract == "trainjob":
+            env.update(
+                JAX_COORDINATOR_ADDRESS=f"127.0.0.1:{port}",
+                JAX_NUM_PROCESSES=str(self.spec.replicas),
+                JAX_PROCESS_ID=str(index),
+            )
+        else:
+            env.update(
+                COORDINATOR_ADDRESS="127.0.0.1",
+                COORDINATOR_PORT=str(port),
+                NUM_PROCESSES=str(self.spec.replicas),
+                PROCESS_ID=str(index),
+            )
         return env
 
     def _read(self, index: int, proc: subprocess.Popen, attempt: int) -> None:
@@ -244,7 +265,17 @@ LOG_DIR_ENV = "KUBEJAX_LOCAL_JOB_LOGS"
 class LocalBackend:
     """JAXJobs as local process groups; logs under `log_root/<job name>/worker-<i>.log`."""
 
-    def __init__(self, log_root: str | Path | None = None, echo: bool | Callable = False):
+    def __init__(
+        self,
+        log_root: str | Path | None = None,
+        echo: bool | Callable = False,
+        env_contract: str = "jaxjob",
+    ):
+        if env_contract not in ENV_CONTRACTS:
+            raise ValueError(
+                f"env_contract: {env_contract!r} is not one of {', '.join(ENV_CONTRACTS)}"
+            )
+        self.env_contract = env_contract
         log_root = log_root or os.environ.get(LOG_DIR_ENV)
         self.log_root = Path(log_root or tempfile.mkdtemp(prefix="kubejax-jobs-"))
         self.echo = (print if echo is True else echo) or None
@@ -257,7 +288,7 @@ class LocalBackend:
             return spec.name  # attach to the job of that name
         log_dir = self.log_root / spec.name
         log_dir.mkdir(parents=True, exist_ok=True)
-        self.jobs[spec.name] = _LocalJob(spec, log_dir, self.echo)
+        self.jobs[spec.name] = _LocalJob(spec, log_dir, self.echo, self.env_contract)
         return spec.name
 
     def _job(self, name: str) -> _LocalJob:

@@ -196,7 +196,7 @@ def build_manifest(spec: JAXJobSpec) -> dict:
                     "restartPolicy": spec.restart_policy,
                     "template": {
                         "metadata": _drop_empty(
-                            {"labels": labels, "annotations": spec.annotations}
+                            {"labels": dict(labels), "annotations": dict(spec.annotations)}
                         ),
                         "spec": pod_spec,
                     },

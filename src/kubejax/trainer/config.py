@@ -59,6 +59,9 @@ class TrainConfig:
     checkpoint_every: int = _f(0, "save an Orbax checkpoint every N steps; 0 = at the end only")
     keep_checkpoints: int = _f(2, "checkpoints kept in output_dir/checkpoints")
     log_every: int = _f(10, "log step metrics and print progress every N steps")
+    coordinator_timeout: int = _f(
+        300, "seconds to wait for every process of the job to join (slow pod start-up)"
+    )
     mlflow_tracking_uri: str = _f(
         "", "MLflow tracking URI; default: $MLFLOW_TRACKING_URI; none: no tracking"
     )
@@ -93,7 +96,13 @@ class TrainConfig:
             raise ConfigError(f"dtype: {self.dtype!r} is not one of {', '.join(DTYPES)}")
         if self.schedule not in SCHEDULES:
             raise ConfigError(f"schedule: {self.schedule!r} is not one of {', '.join(SCHEDULES)}")
-        positive = ("global_batch_size", "grad_accum_steps", "eval_batch_size", "log_every")
+        positive = (
+            "global_batch_size",
+            "grad_accum_steps",
+            "eval_batch_size",
+            "log_every",
+            "coordinator_timeout",
+        )
         for name in (*positive, "bucket_multiple", "keep_checkpoints", "max_length"):
             if getattr(self, name) < 1:
                 raise ConfigError(f"{name}: must be at least 1, got {getattr(self, name)}")

@@ -1,8 +1,10 @@
-"""Multi-process JAX from the Training Operator's environment.
+"""Multi-process JAX from either Kubeflow engine's environment.
 
-The operator injects into every JAXJob worker: COORDINATOR_ADDRESS (the hostname of worker 0,
-no port), COORDINATOR_PORT, NUM_PROCESSES and PROCESS_ID. Without them the trainer runs as one
-process over its local devices.
+Training Operator v1 (JAXJob) injects into every worker: COORDINATOR_ADDRESS (the hostname of
+worker 0, no port), COORDINATOR_PORT, NUM_PROCESSES and PROCESS_ID. Kubeflow Trainer v2's
+`jax-distributed` runtime (TrainJob) injects JAX_COORDINATOR_ADDRESS (host AND port),
+JAX_NUM_PROCESSES and JAX_PROCESS_ID. Without either the trainer runs as one process over its
+local devices.
 """
 
 from __future__ import annotations
@@ -19,37 +21,47 @@ DEFAULT_PORT = 6666
 _INITIALIZED = False
 
 
+#: (address, process count, process id) variable names of each engine, the current one first.
+CONTRACTS = {
+    "trainjob": ("JAX_COORDINATOR_ADDRESS", "JAX_NUM_PROCESSES", "JAX_PROCESS_ID"),
+    "jaxjob": ("COORDINATOR_ADDRESS", "NUM_PROCESSES", "PROCESS_ID"),
+}
+
+
 @dataclass(frozen=True)
 class ProcessEnv:
-    """Where this process sits in the job."""
+    """Where this process sits in the job, and which engine's contract said so."""
 
     coordinator: str | None
     num_processes: int
     process_id: int
+    contract: str = "none"
 
 
 def process_env(environ: dict[str, str] | None = None) -> ProcessEnv:
-    """Read the operator's contract from the environment."""
+    """Read the engine's contract (TrainJob's or JAXJob's) from the environment."""
     env = os.environ if environ is None else environ
-    address = env.get("COORDINATOR_ADDRESS")
-    if not address:
+    contract = next((c for c, names in CONTRACTS.items() if env.get(names[0])), None)
+    if contract is None:
         return ProcessEnv(None, 1, 0)
+    addr_var, n_var, id_var = CONTRACTS[contract]
+    address = env[addr_var]
     try:
-        n = int(env.get("NUM_PROCESSES", "1"))
-        pid = int(env.get("PROCESS_ID", "0"))
+        n = int(env.get(n_var, "1"))
+        pid = int(env.get(id_var, "0"))
         port = int(env.get("COORDINATOR_PORT", str(DEFAULT_PORT)))
     except ValueError as err:
-        raise ValueError(
-            f"NUM_PROCESSES/PROCESS_ID/COORDINATOR_PORT: not integers ({err})"
-        ) from err
+        raise ValueError(f"{n_var}/{id_var}/COORDINATOR_PORT: not integers ({err})") from err
     if not 0 <= pid < n:
-        raise ValueError(f"PROCESS_ID: {pid} is not in 0..{n - 1} (NUM_PROCESSES={n})")
+        raise ValueError(f"{id_var}: {pid} is not in 0..{n - 1} ({n_var}={n})")
+    # JAXJob gives the host alone and the port apart; TrainJob gives host:port.
     host = address if ":" in address else f"{address}:{port}"
-    return ProcessEnv(host, n, pid)
+    return ProcessEnv(host, n, pid, contract)
 
 
-def initialize(environ: dict[str, str] | None = None) -> ProcessEnv:
-    """Join the job's processes (once); on CPU, collectives go over gloo."""
+def initialize(environ: dict[str, str] | None = None, timeout_s: int = 300) -> ProcessEnv:
+    """Join the job's processes (once), waiting up to `timeout_s` for all of them (pods may
+    start minutes apart on a busy cluster); on CPU, collectives go over gloo."""
     global _INITIALIZED
     penv = process_env(environ)
     if penv.coordinator is None or _INITIALIZED:
@@ -59,6 +71,7 @@ def initialize(environ: dict[str, str] | None = None) -> ProcessEnv:
         coordinator_address=penv.coordinator,
         num_processes=penv.num_processes,
         process_id=penv.process_id,
+        initialization_timeout=timeout_s,
     )
     _INITIALIZED = True
     return penv

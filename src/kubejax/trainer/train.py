@@ -254,7 +254,7 @@ def _eta(seconds: float) -> str:
 def train_and_evaluate(cfg: TrainConfig) -> dict:
     """Train per `cfg`, resuming from the latest checkpoint in output_dir; return final metrics."""
     cfg.validate()
-    penv = distributed.initialize()
+    penv = distributed.initialize(timeout_s=cfg.coordinator_timeout)
     is_main = jax.process_index() == 0
     mesh = distributed.data_mesh()
     cfg.check_process_count(jax.device_count())

@@ -1,0 +1,102 @@
+"""The Kubeflow Trainer v2 `TrainJob` built from the same job spec as a JAXJob.
+
+Facts from Kubeflow Trainer v2.3.0 (this targets v2.2 and later, where pod-template settings
+are `runtimePatches`; v2.0 named them `podSpecOverrides`, v2.1 `podTemplateOverrides`): the
+built-in `ClusterTrainingRuntime` `jax-distributed` runs one replicated job `node` with one
+container `node`, one JAX process per pod; its JAX plugin sets JAX_COORDINATOR_ADDRESS
+(`<job>-node-0-0.<job>:29500`), JAX_NUM_PROCESSES and JAX_PROCESS_ID and opens port 29500.
+
+Mapping of a `JAXJobSpec`: replicas → `trainer.numNodes`, resources → `trainer.resourcesPerNode`,
+env → `trainer.env`, image/command/args → `trainer`; node selector, tolerations, affinity,
+volumes, service account, pod labels and annotations, and the container's volume mounts →
+one `runtimePatches` entry for job `node`; `activeDeadlineSeconds` as it is. Restarts come from
+the runtime's JobSet failure policy, not from the spec (a TrainJob has no restartPolicy or
+backoffLimit).
+"""
+
+from __future__ import annotations
+
+from kubejax.jaxjob.spec import LABEL_PREFIX, JAXJobSpec, _drop_empty
+
+API_GROUP = "trainer.kubeflow.org"
+API_VERSION = f"{API_GROUP}/v1alpha1"
+KIND = "TrainJob"
+PLURAL = "trainjobs"
+RUNTIME = "jax-distributed"
+RUNTIME_KIND = "ClusterTrainingRuntime"
+REPLICATED_JOB = "node"
+CONTAINER = "node"
+PATCH_MANAGER = f"{LABEL_PREFIX}/launcher"
+#: The label JobSet puts on every pod of a TrainJob.
+POD_JOB_LABEL = "jobset.sigs.k8s.io/jobset-name"
+
+
+def build_trainjob_manifest(spec: JAXJobSpec, runtime: str = RUNTIME) -> dict:
+    """The `trainer.kubeflow.org/v1alpha1` TrainJob object for `spec`, as a plain dict."""
+    labels = {f"{LABEL_PREFIX}/job-name": spec.name, **spec.labels}
+    pod_spec = _drop_empty(
+        {
+            "nodeSelector": spec.node_selector,
+            "tolerations": spec.tolerations,
+            "affinity": spec.affinity,
+            "volumes": spec.volumes,
+            "serviceAccountName": spec.service_account,
+            "containers": (
+                [{"name": CONTAINER, "volumeMounts": spec.volume_mounts}]
+                if spec.volume_mounts
+                else []
+            ),
+        }
+    )
+    pod_template = _drop_empty(
+        {
+            # Copies: a shared dict would print as a YAML anchor.
+            "metadata": _drop_empty(
+                {"labels": dict(labels), "annotations": dict(spec.annotations)}
+            ),
+            "spec": pod_spec,
+        }
+    )
+    patch = {
+        "manager": PATCH_MANAGER,
+        "trainingRuntimeSpec": {
+            "template": {
+                "spec": {
+                    "replicatedJobs": [
+                        {"name": REPLICATED_JOB, "template": {"spec": {"template": pod_template}}}
+                    ]
+                }
+            }
+        },
+    }
+    trainer = _drop_empty(
+        {
+            "image": spec.image,
+            "command": spec.command,
+            "args": spec.args,
+            "env": spec.env,
+            "numNodes": spec.replicas,
+            "resourcesPerNode": spec.resources,
+        }
+    )
+    metadata = _drop_empty(
+        {
+            "name": spec.name,
+            "namespace": spec.namespace,
+            "labels": labels,
+            "annotations": spec.annotations,
+        }
+    )
+    return {
+        "apiVersion": API_VERSION,
+        "kind": KIND,
+        "metadata": metadata,
+        "spec": _drop_empty(
+            {
+                "runtimeRef": {"name": runtime, "kind": RUNTIME_KIND, "apiGroup": API_GROUP},
+                "trainer": trainer,
+                "runtimePatches": [patch],
+                "activeDeadlineSeconds": spec.active_deadline_seconds,
+            }
+        ),
+    }

@@ -1,0 +1,223 @@
+"""The Kubernetes TrainJob backend: Kubeflow Trainer v2 (`jax-distributed` runtime).
+
+It talks to the TrainJob CRD through the kubernetes client's CustomObjectsApi rather than the
+Kubeflow SDK's TrainerClient: `TrainerClient.train` generates a random job name (a retried
+launcher could not find the job it created), accepts env only as plain strings (no secret
+references from the task's config) and builds the TrainJob itself (no runtime patches for the
+task's volumes, node selector, tolerations and affinity). The same verbs as the JAXJob backends.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterator
+
+from kubejax.jaxjob.client import FAILED, RUNNING, SUCCEEDED, SUSPENDED, JobStatus
+from kubejax.jaxjob.kubernetes import default_namespace
+from kubejax.jaxjob.spec import JAXJobSpec
+from kubejax.jaxjob.trainjob import (
+    API_GROUP,
+    API_VERSION,
+    CONTAINER,
+    PLURAL,
+    POD_JOB_LABEL,
+    RUNTIME,
+    build_trainjob_manifest,
+)
+
+VERSION = API_VERSION.split("/")[1]
+_NOT_FOUND, _CONFLICT = 404, 409
+#: The Job controller's label with a pod's completion index: the JAX process id.
+_INDEX_LABEL = "batch.kubernetes.io/job-completion-index"
+#: TrainJob condition types → the job states every backend reports.
+_STATES = {"Complete": SUCCEEDED, "Failed": FAILED, "Suspended": SUSPENDED}
+
+
+def trainjob_status(obj: dict) -> JobStatus:
+    """A TrainJob object's conditions in the states every backend reports (Complete becomes
+    Succeeded; an active JobSet without a condition is Running)."""
+    status = obj.get("status") or {}
+    conditions = [
+        {**c, "type": _STATES.get(c.get("type"), c.get("type"))}
+        for c in status.get("conditions") or []
+    ]
+    jobs = status.get("jobsStatus") or []
+    active = sum(int(j.get("active") or 0) for j in jobs)
+    if active and not any(str(c.get("status")) == "True" for c in conditions):
+        conditions.append({"type": RUNNING, "status": "True", "reason": "JobsActive"})
+    replicas = {
+        j.get("name", "node"): {k: j.get(k, 0) for k in ("active", "succeeded", "failed")}
+        for j in jobs
+    }
+    return JobStatus(obj["metadata"]["name"], conditions or [], replicas)
+
+
+class TrainJobBackend:
+    """TrainJobs on a cluster with Kubeflow Trainer v2.2+ and its `jax-distributed` runtime."""
+
+    def __init__(
+        self,
+        namespace: str | None = None,
+        client_configuration=None,
+        config_file: str | None = None,
+        context: str | None = None,
+        runtime: str = RUNTIME,
+    ):
+        from kubernetes import client, config
+
+        if client_configuration is None:
+            try:
+                config.load_incluster_config()
+            except config.ConfigException:
+                config.load_kube_config(config_file=config_file, context=context)
+            api_client = client.ApiClient()
+        else:
+            api_client = client.ApiClient(client_configuration)
+        self.namespace = namespace or default_namespace()
+        self.runtime = runtime
+        self.custom = client.CustomObjectsApi(api_client)
+        self.core = client.CoreV1Api(api_client)
+
+    def _get(self, name: str) -> dict:
+        return self.custom.get_namespaced_custom_object(
+            API_GROUP, VERSION, self.namespace, PLURAL, name
+        )
+
+    def check_runtime(self) -> None:
+        """The ClusterTrainingRuntime must exist; else a clear error naming what to install."""
+        from kubernetes.client.rest import ApiException
+
+        try:
+            self.custom.get_cluster_custom_object(
+                API_GROUP, VERSION, "clustertrainingruntimes", self.runtime
+            )
+        except ApiException as err:
+            if err.status == _NOT_FOUND:
+                raise RuntimeError(
+                    f"engine: the ClusterTrainingRuntime {self.runtime!r} is not installed; "
+                    "install Kubeflow Trainer v2.2 or later with its default runtimes "
+                    "(they include jax-distributed)"
+                ) from err
+            raise
+
+    def create_job(self, spec: JAXJobSpec) -> str:
+        from kubernetes.client.rest import ApiException
+
+        try:
+            self._get(spec.name)
+            return spec.name  # a retried launcher re-attaches to the job it created
+        except ApiException as err:
+            if err.status != _NOT_FOUND:
+                raise
+        self.check_runtime()
+        manifest = build_trainjob_manifest(spec, self.runtime)
+        manifest["metadata"]["namespace"] = self.namespace
+        try:
+            self.custom.create_namespaced_custom_object(
+                API_GROUP, VERSION, self.namespace, PLURAL, manifest
+            )
+        except ApiException as err:
+            if err.status != _CONFLICT:  # created meanwhile by another attempt
+                raise
+        return spec.name
+
+    def get_job(self, name: str) -> JobStatus:
+        from kubernetes.client.rest import ApiException
+
+        try:
+            return trainjob_status(self._get(name))
+        except ApiException as err:
+            if err.status == _NOT_FOUND:
+                raise KeyError(f"TrainJob {self.namespace}/{name} not found") from err
+            raise
+
+    def list_jobs(self) -> list[JobStatus]:
+        items = self.custom.list_namespaced_custom_object(
+            API_GROUP, VERSION, self.namespace, PLURAL
+        ).get("items", [])
+        return [trainjob_status(o) for o in items]
+
+    def wait_for_job_status(self, name, status, timeout, polling_interval, callback=None):
+        end = time.monotonic() + timeout
+        while True:
+            st = self.get_job(name)
+            if callback is not None:
+                callback(st)
+            if st.state in status or st.finished:
+                return st
+            if time.monotonic() >= end:
+                raise TimeoutError(f"TrainJob {name} did not reach {sorted(status)} in {timeout}s")
+            time.sleep(min(polling_interval, max(end - time.monotonic(), 0.01)))
+
+    def _pods(self, name: str) -> list:
+        pods = self.core.list_namespaced_pod(
+            self.namespace, label_selector=f"{POD_JOB_LABEL}={name}"
+        ).items
+        return sorted(pods, key=lambda p: p.metadata.name)
+
+    def _node_pod(self, name: str, node: int):
+        for pod in self._pods(name):
+            labels = pod.metadata.labels or {}
+            if labels.get(_INDEX_LABEL, "0") == str(node):
+                return pod
+        return None
+
+    def get_job_logs(self, name: str, follow: bool = False, worker: int = 0) -> Iterator[str]:
+        """Log lines of node `worker` (its JAX process id); with `follow`, until it ends."""
+        pod = self._node_pod(name, worker)
+        while follow and (pod is None or pod.status.phase == "Pending"):
+            if self.get_job(name).finished:
+                break
+            time.sleep(2)
+            pod = self._node_pod(name, worker)
+        if pod is None:
+            return
+        if not follow:
+            text = self.core.read_namespaced_pod_log(
+                pod.metadata.name, self.namespace, container=CONTAINER
+            )
+            yield from text.splitlines()
+            return
+        resp = self.core.read_namespaced_pod_log(
+            pod.metadata.name,
+            self.namespace,
+            container=CONTAINER,
+            follow=True,
+            _preload_content=False,
+        )
+        buf = b""
+        for chunk in resp.stream(4096):
+            buf += chunk
+            *lines, buf = buf.split(b"\n")
+            for line in lines:
+                yield line.decode("utf-8", "replace")
+        if buf:
+            yield buf.decode("utf-8", "replace")
+
+    def log_tail(self, name: str, worker: int = 0, lines: int = 40) -> str:
+        """The last log lines of the first failed node (else of node `worker`)."""
+        from kubernetes.client.rest import ApiException
+
+        try:
+            pods = self._pods(name)
+            failed = [p for p in pods if p.status.phase == "Failed"]
+            pod = failed[0] if failed else self._node_pod(name, worker)
+            if pod is None:
+                return ""
+            text = self.core.read_namespaced_pod_log(
+                pod.metadata.name, self.namespace, container=CONTAINER, tail_lines=lines
+            )
+            return f"[{pod.metadata.name}]\n{text}"
+        except ApiException:
+            return ""
+
+    def delete_job(self, name: str) -> None:
+        from kubernetes.client.rest import ApiException
+
+        try:
+            self.custom.delete_namespaced_custom_object(
+                API_GROUP, VERSION, self.namespace, PLURAL, name
+            )
+        except ApiException as err:
+            if err.status != _NOT_FOUND:
+                raise
