@@ -34,6 +34,7 @@ def train(
     mlflow_tracking_uri: str = "",
     mlflow_experiment: str = "kubejax",
     run_id: str = "",
+    task_name: str = "train",
     task_config: dsl.TaskConfig = None,
 ) -> NamedTuple("Outputs", mlflow_run_id=str, job_name=str):
     """Train a BERT-family classifier as a JAXJob with `replicas` workers.
@@ -52,7 +53,9 @@ def train(
         best_params: Settings that override `hyperparameters` (the sweep's best params).
         replicas: Number of JAXJob workers (processes).
         image: Image of the worker pods; empty: the kubejax image of this version.
-        backend: `auto` (kubernetes inside a cluster, else local), `kubernetes` or `local`.
+        backend: The engine: `trainjob` (Kubeflow Trainer v2), `jaxjob` (Training Operator
+            v1), `kubernetes` (whichever the cluster serves, TrainJob first), `local`, or
+            `auto` (kubernetes inside a cluster, else local).
         timeout_seconds: The job's activeDeadlineSeconds and the launcher's wait.
         workspace_path: The pipeline workspace (dsl.WORKSPACE_PATH_PLACEHOLDER); required on
             kubernetes, where the worker pods read the data and write the model there.
@@ -60,6 +63,8 @@ def train(
         mlflow_experiment: MLflow experiment of the training run.
         run_id: KFP run id (dsl.PIPELINE_JOB_ID_PLACEHOLDER): names the job deterministically,
             so a retried task re-attaches to it, and tags the MLflow run.
+        task_name: This task's name (dsl.PIPELINE_TASK_NAME_PLACEHOLDER): with run_id, names
+            the job, so two train tasks of one pipeline never share a job.
         task_config: Filled by KFP from the task's settings.
 
     Returns:
@@ -83,7 +88,7 @@ def train(
         timeout=timeout_seconds,
         workspace=workspace_path,
         run_id=run_id,
-        task_name="train",
+        task_name=task_name,
         task_config=task_config,
         mlflow_tracking_uri=mlflow_tracking_uri or os.environ.get("MLFLOW_TRACKING_URI", ""),
         log=log_to_stdout,

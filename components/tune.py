@@ -34,6 +34,7 @@ def tune_sweep(
     workspace_path: str = "",
     storage: str = "",
     run_id: str = "",
+    task_name: str = "tune-sweep",
     mlflow_tracking_uri: str = "",
     mlflow_experiment: str = "kubejax",
     poll_seconds: float = 5.0,
@@ -63,12 +64,15 @@ def tune_sweep(
         seed: Sampler seed.
         replicas: JAXJob workers per trial.
         image: Image of the trial pods; empty: the kubejax image of this version.
-        backend: auto, kubernetes or local.
+        backend: trainjob, jaxjob, kubernetes (the cluster's engine, TrainJob first), local,
+            or auto (kubernetes inside a cluster, else local).
         workspace_path: Pipeline workspace (dsl.WORKSPACE_PATH_PLACEHOLDER): data, trial
             folders and the study's sqlite storage live there.
         storage: Optuna RDB URL; empty: sqlite in the workspace.
         run_id: KFP run id (dsl.PIPELINE_JOB_ID_PLACEHOLDER): names the study, so a retried
             task continues it.
+        task_name: This task's name (dsl.PIPELINE_TASK_NAME_PLACEHOLDER): with run_id, names
+            the study and its trial jobs, so two sweeps of one pipeline never collide.
         mlflow_tracking_uri: MLflow tracking URI; empty uses $MLFLOW_TRACKING_URI.
         mlflow_experiment: MLflow experiment of the sweep's parent run and trial runs.
         poll_seconds: How often trials are checked.
@@ -80,11 +84,12 @@ def tune_sweep(
     import os
     from pathlib import Path
 
+    from kubejax.jaxjob.spec import job_name
     from kubejax.launcher import compilation_cache_env, log_to_stdout, stage_dataset
     from kubejax.tune import SweepConfig, sweep_with_jaxjobs, write_report, write_trials
     from kubejax.version import IMAGE
 
-    study = f"sweep-{run_id}" if run_id else "sweep"
+    study = job_name(run_id, task_name, prefix="sweep") if run_id else "sweep"
     if workspace_path:
         root = Path(workspace_path) / "kubejax" / study
         data_dir = stage_dataset(dataset.path, root / "data")
@@ -119,7 +124,7 @@ def tune_sweep(
         task_config=task_config,
         mlflow_tracking_uri=mlflow_tracking_uri or os.environ.get("MLFLOW_TRACKING_URI", ""),
         mlflow_experiment=mlflow_experiment,
-        tags={"kfp.run_id": run_id},
+        tags={"kfp.run_id": run_id, "kfp.task_name": task_name},
         extra_env=compilation_cache_env(workspace_path),
         log=log_to_stdout,
     )

@@ -74,6 +74,7 @@ def _train(gpus_per_worker: int, **inputs) -> dsl.PipelineTask:
         **inputs,
         workspace_path=dsl.WORKSPACE_PATH_PLACEHOLDER,
         run_id=dsl.PIPELINE_JOB_ID_PLACEHOLDER,
+        task_name=dsl.PIPELINE_TASK_NAME_PLACEHOLDER,
     )
     task.set_display_name("train").set_caching_options(False)
     task.set_retry(num_retries=2, backoff_duration="60s")
@@ -145,7 +146,8 @@ def yelp_pipeline(
         train_hyperparameters: Trainer settings of the final training (the best params win).
         replicas: JAXJob workers of the final training.
         image: The kubejax image of every step and worker.
-        backend: auto (kubernetes in a cluster), kubernetes or local.
+        backend: The engine of the training jobs: auto (in a cluster, the one it serves,
+            TrainJob first; elsewhere local), trainjob, jaxjob, kubernetes or local.
         timeout_seconds: Limit of the final training job.
         mlflow_tracking_uri: MLflow tracking URI (credentials come from the secret).
         mlflow_experiment: MLflow experiment of this pipeline's runs.
@@ -181,6 +183,7 @@ def yelp_pipeline(
         backend=backend,
         workspace_path=dsl.WORKSPACE_PATH_PLACEHOLDER,
         run_id=dsl.PIPELINE_JOB_ID_PLACEHOLDER,
+        task_name=dsl.PIPELINE_TASK_NAME_PLACEHOLDER,
         mlflow_tracking_uri=mlflow_tracking_uri,
         mlflow_experiment=mlflow_experiment,
     )
@@ -257,7 +260,7 @@ def train_eval_pipeline(
         train_hyperparameters: Trainer settings.
         replicas: JAXJob workers.
         image: The kubejax image.
-        backend: auto, kubernetes or local.
+        backend: auto, trainjob, jaxjob, kubernetes or local (see kubejax-yelp).
         timeout_seconds: Limit of the training job.
         mlflow_tracking_uri: MLflow tracking URI.
         mlflow_experiment: MLflow experiment.

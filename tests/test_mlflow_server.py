@@ -125,3 +125,38 @@ def test_trainer_logs_params_metrics_and_system_metrics(
     } <= set(run.data.metrics)
     assert any(k.startswith("system/") for k in run.data.metrics)
     assert run.data.tags["kubejax.jaxjob"] == "job-x"
+
+
+def test_training_nests_under_the_kfp_task_run(
+    mlflow_server, tmp_path, tiny_model_dir, prepared, monkeypatch
+):
+    """KFP's MLflow integration gives the task MLFLOW_RUN_ID: the JAXJob's training run is
+    created under it, in its experiment, and the workers get the task's MLflow variables."""
+    from kubejax.launcher import train_with_jaxjob
+    from tests.helpers import tiny_args
+
+    client = MlflowClient(mlflow_server)
+    exp = client.create_experiment("kfp-pipeline-run")
+    task_run = client.create_run(exp, tags={"mlflow.runName": "train"}).info.run_id
+    monkeypatch.setenv("MLFLOW_RUN_ID", task_run)
+    monkeypatch.setenv("MLFLOW_EXPERIMENT_ID", exp)
+    flags = tiny_args(tiny_model_dir, prepared, tmp_path / "unused", max_steps=2)
+    hp = {flags[i][2:].replace("-", "_"): flags[i + 1] for i in range(0, len(flags), 2)}
+    for key in ("data_dir", "output_dir", "mlflow_tracking_uri"):
+        hp.pop(key)
+    result = train_with_jaxjob(
+        dataset_path=str(prepared),
+        model_path=str(tmp_path / "model"),
+        hyperparameters={**hp, "mlflow_experiment": "not-this-one"},
+        image="local",
+        backend="local",
+        run_id="kfp-run-1",
+        task_name="train-a",
+        mlflow_tracking_uri=mlflow_server,
+        log=lambda _: None,
+    )
+    run = client.get_run(result["mlflow_run_id"])
+    assert run.data.tags["mlflow.parentRunId"] == task_run
+    assert run.info.experiment_id == exp
+    assert run.data.tags["kfp.task_name"] == "train-a"
+    assert client.get_experiment_by_name("not-this-one") is None

@@ -16,6 +16,7 @@ import typing
 from pathlib import Path
 from typing import Any
 
+from kubejax import tracking
 from kubejax.jaxjob.client import JAXJobClient
 from kubejax.jaxjob.launch import run_job
 from kubejax.jaxjob.spec import JAXJobSpec, job_name
@@ -179,8 +180,10 @@ def train_with_jaxjob(
     tags = {"kubejax.jaxjob": name, "kfp.run_id": run_id, "kfp.task_name": task_name}
     hp = dict(hyperparameters)
     hp["mlflow_tags"] = json.dumps({**json.loads(hp.get("mlflow_tags") or "{}"), **tags})
-    extra_env = {"MLFLOW_TRACKING_URI": mlflow_tracking_uri} if mlflow_tracking_uri else {}
-    extra_env.update(compilation_cache_env(workspace))
+    if tracking.kfp_task_run():
+        # Under KFP's MLflow integration the training run nests under the task's run.
+        hp.setdefault("mlflow_parent_run_id", tracking.kfp_task_run())
+    extra_env = {**tracking.worker_env(mlflow_tracking_uri), **compilation_cache_env(workspace)}
     spec = build_train_spec(
         name=name,
         image=image,

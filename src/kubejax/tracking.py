@@ -102,6 +102,9 @@ class MlflowTracker(Tracker):
             if run_id:
                 self.run_id = self.client.get_run(run_id).info.run_id
                 self.client.update_run(run_id, status="RUNNING")
+            elif parent_run_id:
+                # A nested run lives in its parent's experiment, or the UI cannot show it.
+                exp_id = self.client.get_run(parent_run_id).info.experiment_id
             else:
                 exp = self.client.get_experiment_by_name(experiment)
                 exp_id = (
@@ -111,6 +114,7 @@ class MlflowTracker(Tracker):
                         experiment, artifact_location=_artifact_location(tracking_uri)
                     )
                 )
+            if not run_id:
                 all_tags = dict(tags or {})
                 if parent_run_id:
                     all_tags["mlflow.parentRunId"] = parent_run_id
@@ -279,6 +283,30 @@ def create_tracker(
     if not enabled or not uri:
         return Tracker()
     return MlflowTracker(uri, experiment, **kwargs)
+
+
+#: Set by KFP's MLflow integration (2.17) in a task's container: the task's own run, under
+#: which kubejax nests the runs it creates.
+KFP_TASK_RUN_ENV = "MLFLOW_RUN_ID"
+#: MLflow variables a task passes on to its job's workers. Credentials are not among them:
+#: they reach the workers as secret references through the task's env passthrough, never as
+#: plain values in a job manifest.
+_WORKER_ENV = ("MLFLOW_EXPERIMENT_ID", "MLFLOW_WORKSPACE")
+
+
+def kfp_task_run() -> str:
+    """The KFP task's MLflow run id ('' outside KFP's MLflow integration)."""
+    return os.environ.get(KFP_TASK_RUN_ENV, "")
+
+
+def worker_env(tracking_uri: str) -> dict[str, str]:
+    """The MLflow environment of a job's workers: the tracking URI in effect and KFP's
+    experiment and workspace variables when the task has them."""
+    env = {k: os.environ[k] for k in _WORKER_ENV if os.environ.get(k)}
+    uri = tracking_uri or os.environ.get("MLFLOW_TRACKING_URI", "")
+    if uri:
+        env["MLFLOW_TRACKING_URI"] = uri
+    return env
 
 
 def kfp_tags(extra: Mapping[str, str] | None = None) -> dict[str, str]:

@@ -566,8 +566,7 @@ def trainer_trial_spec(
         if parent_run_id:
             hp["mlflow_parent_run_id"] = parent_run_id
         hp["mlflow_tags"] = json.dumps({"kubejax.trial": str(number), "kubejax.jaxjob": name})
-        env = {"MLFLOW_TRACKING_URI": mlflow_tracking_uri} if mlflow_tracking_uri else {}
-        env.update(extra_env or {})
+        env = {**tracking.worker_env(mlflow_tracking_uri), **(extra_env or {})}
         return build_train_spec(
             name=name,
             image=image,
@@ -609,6 +608,8 @@ def sweep_with_jaxjobs(
         mlflow_tracking_uri,
         mlflow_experiment,
         run_name=cfg.study_name,
+        # Under KFP's MLflow integration the sweep nests under the task's run.
+        parent_run_id=tracking.kfp_task_run() or None,
         tags=tracking.kfp_tags({"kubejax.step": "tune-sweep", **(tags or {})}),
     )
     tracker.log_params(
