@@ -172,3 +172,130 @@ def test_submit_adds_a_version_to_an_existing_pipeline(capsys):
 def test_submit_rejects_unknown_params(capsys):
     assert main(["submit", "--host", "http://127.0.0.1:9", "--param", "nope=1"]) == 2
     assert "unknown parameter" in capsys.readouterr().err
+
+
+def _kubeconfig(tmp_path, host: str) -> str:
+    path = tmp_path / "kubeconfig"
+    path.write_text(
+        yaml.safe_dump(
+            {
+                "apiVersion": "v1",
+                "kind": "Config",
+                "clusters": [{"name": "fake", "cluster": {"server": host}}],
+                "users": [{"name": "u", "user": {}}],
+                "contexts": [{"name": "c", "context": {"cluster": "fake", "user": "u"}}],
+                "current-context": "c",
+            }
+        )
+    )
+    return str(path)
+
+
+def _error_cases(tmp_path, trained_tiny, prepared, fake_host):
+    space = '{"learning_rate": {"type": "float", "low": 1e-5, "high": 1e-3, "log": true}}'
+    tune = ["tune", "--data-dir", str(prepared), "--model", "m", "--output-dir", str(tmp_path)]
+    return {
+        "CliError": (["render", "--env", "NOEQUALS", "--", "--model", "m"], "--env:"),
+        "SpecError": (["render", "--replicas", "0", "--", "--model", "m"], "replicas:"),
+        "TokenizerError": (
+            [
+                "prepare",
+                "--tokenizer",
+                str(tmp_path / "none"),
+                "--source",
+                "x.csv",
+                "--output",
+                str(tmp_path / "p"),
+            ],
+            "tokenizer",
+        ),
+        "PrepareError": (
+            [
+                "prepare",
+                "--tokenizer",
+                str(trained_tiny / "model"),
+                "--source",
+                str(tmp_path / "missing.csv"),
+                "--max-length",
+                "64",
+                "--output",
+                str(tmp_path / "p2"),
+            ],
+            "source:",
+        ),
+        "EvaluationError": (
+            ["evaluate", "--model-dir", str(tmp_path), "--data-dir", str(prepared)],
+            "model:",
+        ),
+        "DatasetError": (
+            [
+                "evaluate",
+                "--model-dir",
+                str(trained_tiny / "model"),
+                "--data-dir",
+                str(tmp_path / "no-data"),
+            ],
+            "data_dir",
+        ),
+        "SweepError": ([*tune, "--space", "{}"], "search_space:"),
+        "ConfigError": (
+            [*tune, "--space", space, "--hyperparameters", '{"schedule": "cosin"}'],
+            "schedule: 'cosin' is not one of",
+        ),
+        "TrackingError": (
+            [*tune, "--space", space, "--mlflow-tracking-uri", "http://127.0.0.1:9"],
+            "mlflow_tracking_uri:",
+        ),
+        "EngineNotFoundError": (
+            ["launch", "--engine", "kubernetes", "--", "--model", "m"],
+            "neither TrainJob",
+        ),
+    }
+
+
+ERROR_CLASSES = [
+    "CliError",
+    "SpecError",
+    "TokenizerError",
+    "PrepareError",
+    "EvaluationError",
+    "DatasetError",
+    "SweepError",
+    "ConfigError",
+    "TrackingError",
+    "EngineNotFoundError",
+]
+
+
+def test_every_error_class_reaches_the_user_as_one_line(
+    tmp_path, trained_tiny, prepared, capsys, monkeypatch
+):
+    """Each kind of error a user can cause: exit status 2, one line naming the setting, no
+    traceback (the cluster case against a FAKE API server that serves neither engine)."""
+    import kubejax.errors
+    from tests.jaxjob.fake_k8s import FakeKubernetes
+
+    with FakeKubernetes(served=()) as fake:
+        monkeypatch.setenv("KUBECONFIG", _kubeconfig(tmp_path, fake.host))
+        cases = _error_cases(tmp_path, trained_tiny, prepared, fake.host)
+        assert sorted(cases) == sorted(ERROR_CLASSES)
+        for name, (argv, expected) in cases.items():
+            cls = next(c for c in _subclasses(kubejax.errors.KubejaxError) if c.__name__ == name)
+            assert issubclass(cls, kubejax.errors.KubejaxError)
+            assert main(argv) == 2, name
+            err = capsys.readouterr().err
+            assert expected in err, (name, err)
+            assert "Traceback" not in err and len(err.strip().splitlines()) == 1, (name, err)
+
+
+def _subclasses(cls) -> list[type]:
+    import kubejax.cli
+    import kubejax.data.prepare
+    import kubejax.evaluate
+    import kubejax.jaxjob.client
+    import kubejax.tune  # noqa: F401
+
+    out = []
+    for sub in cls.__subclasses__():
+        out += [sub, *_subclasses(sub)]
+    return out

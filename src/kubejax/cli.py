@@ -20,13 +20,14 @@ import sys
 import typing
 from pathlib import Path
 
+from kubejax.errors import KubejaxError
 from kubejax.jaxjob.client import BACKENDS, in_cluster
 from kubejax.version import IMAGE, __version__
 
 EXIT_BAD_INPUT = 2
 
 
-class CliError(Exception):
+class CliError(KubejaxError):
     """A bad command-line value; printed without a traceback, exit status 2."""
 
 
@@ -510,15 +511,9 @@ def main(argv: list[str] | None = None) -> int:
     argv, trainer_args = _split_trainer_args(argv)
     args = build_parser().parse_args(argv)
     args.trainer_args = trainer_args
-    from kubejax.data.prepare import PrepareError
-    from kubejax.evaluate import EvaluationError
-    from kubejax.jaxjob.spec import SpecError
-    from kubejax.trainer.config import ConfigError
-    from kubejax.tune import SweepError
-
     try:
         return args.func(args)
-    except (CliError, PrepareError, EvaluationError, SpecError, ConfigError, SweepError) as err:
+    except KubejaxError as err:
         print(f"kubejax {args.command}: error: {err}", file=sys.stderr)
         return EXIT_BAD_INPUT
 

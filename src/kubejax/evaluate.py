@@ -7,17 +7,16 @@ import json
 import time
 from pathlib import Path
 
-import jax
 import numpy as np
-from flax import nnx
 
 from kubejax import report
 from kubejax.data import dataset
+from kubejax.errors import KubejaxError
 from kubejax.trainer import weights
-from kubejax.trainer.train import make_eval_step
+from kubejax.trainer.predict import predict_logits
 
 
-class EvaluationError(ValueError):
+class EvaluationError(KubejaxError, ValueError):
     """Evaluation inputs that do not fit; the message names the setting."""
 
 
@@ -51,33 +50,6 @@ def classification_metrics(labels: np.ndarray, preds: np.ndarray, num_labels: in
         "support": cm.sum(1).tolist(),
         "confusion_matrix": cm.tolist(),
     }
-
-
-def predict_logits(model, split: dataset.TokenizedSplit, batch_size: int, max_length: int):
-    """Logits for every row of `split`, in row order, data-parallel over local devices."""
-    from jax.sharding import Mesh
-
-    devices = jax.local_devices()
-    batch_size = max(len(devices), batch_size // len(devices) * len(devices))
-    mesh = Mesh(np.array(devices), ("data",))
-    graphdef, params = nnx.split(model)
-    params = jax.device_put(params, jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec()))
-    eval_step = make_eval_step(graphdef, mesh)
-    sharding = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec("data"))
-    out = np.zeros((len(split), model.num_labels), dtype=np.float32)
-    for batch in dataset.eval_batches(
-        split,
-        batch_size=batch_size,
-        process_index=0,
-        process_count=1,
-        bucket_multiple=dataset.DEFAULT_BUCKET_MULTIPLE,
-        max_length=max_length,
-    ):
-        rows, weights_ = batch.pop("rows"), batch["weights"]
-        _, logits = eval_step(params, jax.device_put(batch, sharding))
-        keep = weights_ > 0
-        out[rows[keep]] = np.asarray(logits)[keep]
-    return out
 
 
 def evaluate_model(

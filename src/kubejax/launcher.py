@@ -21,7 +21,7 @@ from kubejax.jaxjob.client import JAXJobClient
 from kubejax.jaxjob.launch import run_job
 from kubejax.jaxjob.spec import JAXJobSpec, job_name
 from kubejax.trainer.config import ConfigError, TrainConfig
-from kubejax.trainer.train import METRICS_FILE, MODEL_DIR
+from kubejax.trainer.outputs import METRICS_FILE, MODEL_DIR
 
 TRAINER_COMMAND = ["python", "-m", "kubejax.trainer"]
 _RESERVED = {"data_dir", "output_dir"}
@@ -51,6 +51,22 @@ def trainer_args(params: dict[str, Any]) -> list[str]:
             value = json.dumps(value)
         args += ["--" + key.replace("_", "-"), str(value)]
     return args
+
+
+def check_hyperparameters(params: dict[str, Any]) -> None:
+    """Validate trainer settings before any job is submitted: a typo such as
+    schedule="cosin" fails here, in the launcher, instead of in every pod."""
+    import argparse
+
+    from kubejax.trainer.config import parser
+
+    flags = parser()
+    flags.exit_on_error = False  # a bad value raises instead of exiting the launcher
+    try:
+        values = flags.parse_args(trainer_args({"data_dir": "-", "output_dir": "-", **params}))
+    except argparse.ArgumentError as err:
+        raise ConfigError(f"hyperparameters: {err}") from err
+    TrainConfig(**vars(values)).validate(check_paths=False)
 
 
 def _task_config_fields(task_config) -> dict:
@@ -88,6 +104,7 @@ def build_train_spec(
 ) -> JAXJobSpec:
     """The JAXJobSpec that trains with `hyperparameters` on `data_dir` into `output_dir`."""
     params = {**hyperparameters, "data_dir": data_dir, "output_dir": output_dir}
+    check_hyperparameters(params)
     pod = _task_config_fields(task_config)
     env = list(pod.pop("env", []) or [])
     env += [{"name": k, "value": str(v)} for k, v in (extra_env or {}).items()]

@@ -38,7 +38,7 @@ class BertTextClassifier(mlflow.pyfunc.PythonModel):
     def predict(self, context, model_input: pd.DataFrame, params=None) -> pd.DataFrame:
         from kubejax.data.dataset import TokenizedSplit
         from kubejax.data.tokenizer import tokenize
-        from kubejax.evaluate import predict_logits
+        from kubejax.trainer.predict import predict_logits
 
         if TEXT_COLUMN not in model_input.columns:
             raise ValueError(

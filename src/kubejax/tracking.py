@@ -17,6 +17,8 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
+from kubejax.errors import KubejaxError
+
 log = logging.getLogger(__name__)
 
 #: Metrics buffered before a batch is sent (MLflow accepts up to 1000 per log_batch).
@@ -29,7 +31,7 @@ SYSTEM_METRICS_SECONDS = 2.0
 _MAX_PARAM = 6000
 
 
-class TrackingError(RuntimeError):
+class TrackingError(KubejaxError, RuntimeError):
     """The tracking server cannot be used."""
 
 

@@ -26,6 +26,7 @@ from typing import Any
 import optuna
 
 from kubejax import report, tracking
+from kubejax.errors import KubejaxError
 from kubejax.jaxjob.client import FAILED, SUCCEEDED, JAXJobClient
 from kubejax.jaxjob.launch import delete_on_sigterm
 from kubejax.jaxjob.spec import JAXJobSpec, job_name
@@ -38,7 +39,7 @@ POLL_SECONDS = 5.0
 JOB_ATTR, OUTPUT_ATTR, STEPS_ATTR = "kubejax_job", "kubejax_output", "kubejax_steps"
 
 
-class SweepError(RuntimeError):
+class SweepError(KubejaxError, RuntimeError):
     """The sweep cannot go on (bad space, too many failed trials)."""
 
 
@@ -546,6 +547,15 @@ def _distributions(space: dict[str, dict]) -> dict:
 # Trials that run the kubejax trainer
 
 
+def _lowest_point(space: dict[str, dict]) -> dict:
+    """A point of the search space (every dimension at its first value), to type-check the
+    names and values a trial will pass to the trainer."""
+    return {
+        name: e["choices"][0] if e["type"] == "categorical" else e["low"]
+        for name, e in space.items()
+    }
+
+
 def trainer_trial_spec(
     *,
     image: str,
@@ -604,6 +614,10 @@ def sweep_with_jaxjobs(
     """A sweep whose trials train the kubejax trainer; an MLflow parent run with one nested
     run per trial; `extra_env` goes to every trial's workers. Returns the result and the
     parent run id ('' without tracking)."""
+    from kubejax.launcher import check_hyperparameters
+
+    # The fixed settings, and each dimension at its lower end, before anything is created.
+    check_hyperparameters({**hyperparameters, **_lowest_point(cfg.space)})
     tracker = tracking.create_tracker(
         mlflow_tracking_uri,
         mlflow_experiment,

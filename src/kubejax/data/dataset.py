@@ -15,6 +15,7 @@ from pathlib import Path
 import numpy as np
 
 from kubejax.data.prepare import METADATA_FILE
+from kubejax.errors import KubejaxError
 
 #: Padded lengths are multiples of this, so the number of compiled shapes stays small.
 DEFAULT_BUCKET_MULTIPLE = 32
@@ -22,7 +23,7 @@ DEFAULT_BUCKET_MULTIPLE = 32
 _SORT_WINDOW = 64
 
 
-class DatasetError(ValueError):
+class DatasetError(KubejaxError, ValueError):
     """A prepared dataset that cannot be used; the message names the setting."""
 
 

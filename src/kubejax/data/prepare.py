@@ -29,6 +29,7 @@ import pandas as pd
 
 from kubejax import report
 from kubejax.data.tokenizer import TokenizerError, load_tokenizer, tokenize
+from kubejax.errors import KubejaxError
 
 FORMATS = {".csv": "csv", ".tsv": "tsv", ".json": "json", ".jsonl": "jsonl", ".parquet": "parquet"}
 SPLITS = ("train", "validation", "test")
@@ -36,7 +37,7 @@ METADATA_FILE = "metadata.json"
 _SPLIT_RE = re.compile(r"^([A-Za-z_][\w.-]*)(?:\[(-?\d+%?)?:(-?\d+%?)?\])?$")
 
 
-class PrepareError(ValueError):
+class PrepareError(KubejaxError, ValueError):
     """Bad input to data preparation; the message names the setting."""
 
 

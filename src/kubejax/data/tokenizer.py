@@ -20,13 +20,15 @@ from pathlib import Path
 
 import numpy as np
 
+from kubejax.errors import KubejaxError
+
 log = logging.getLogger(__name__)
 
 _CHUNK = {"nanotoken": 1 << 20, "tokenizers": 8192}  # texts per call, for the progress bar
 _CHECK_TEXTS = 256  # texts re-encoded by the reference at the start of every `tokenize`
 
 
-class TokenizerError(ValueError):
+class TokenizerError(KubejaxError, ValueError):
     """The tokenizer cannot be loaded or does not fit `max_length`."""
 
 

@@ -18,20 +18,22 @@ from __future__ import annotations
 
 import os
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass, field
 
 from kubejax.jaxjob.spec import JAXJobSpec
-
-CREATED, RUNNING, RESTARTING, SUCCEEDED, FAILED, SUSPENDED = (
-    "Created",
-    "Running",
-    "Restarting",
-    "Succeeded",
-    "Failed",
-    "Suspended",
+from kubejax.jaxjob.types import (  # noqa: F401  (re-exported: callers import them from here)
+    CONDITION_TYPES,
+    CREATED,
+    FAILED,
+    RESTARTING,
+    RUNNING,
+    SUCCEEDED,
+    SUSPENDED,
+    TERMINAL,
+    EngineNotFoundError,
+    JobFailedError,
+    JobStatus,
 )
-CONDITION_TYPES = (CREATED, RUNNING, RESTARTING, SUCCEEDED, FAILED, SUSPENDED)
-TERMINAL = frozenset({SUCCEEDED, FAILED})
+
 POLL_SECONDS = 5.0
 BACKENDS = ("auto", "kubernetes", "trainjob", "jaxjob", "local")
 CLUSTER_ENGINES = ("trainjob", "jaxjob")
@@ -42,48 +44,9 @@ _ENGINE_RESOURCES = {
 }
 
 
-class JobFailedError(RuntimeError):
-    """A JAXJob ended Failed; carries the condition's reason and the last log lines."""
-
-    def __init__(self, name: str, reason: str, message: str, log_tail: str = ""):
-        self.name, self.reason, self.message, self.log_tail = name, reason, message, log_tail
-        text = f"JAXJob {name} failed: {reason}: {message}"
-        if log_tail:
-            text += f"\n--- last log lines ---\n{log_tail}"
-        super().__init__(text)
-
-
-@dataclass
-class JobStatus:
-    """A job's state as the operator reports it."""
-
-    name: str
-    conditions: list[dict] = field(default_factory=list)
-    replica_statuses: dict = field(default_factory=dict)
-
-    @property
-    def state(self) -> str:
-        """The type of the latest true condition (Created when there is none yet)."""
-        true = [c for c in self.conditions if str(c.get("status", "True")) == "True"]
-        return true[-1]["type"] if true else CREATED
-
-    @property
-    def finished(self) -> bool:
-        return self.state in TERMINAL
-
-    def condition(self, type_: str) -> dict | None:
-        """The latest condition of a type, if any."""
-        found = [c for c in self.conditions if c.get("type") == type_]
-        return found[-1] if found else None
-
-
 def in_cluster() -> bool:
     """True inside a Kubernetes pod."""
     return bool(os.environ.get("KUBERNETES_SERVICE_HOST"))
-
-
-class EngineNotFoundError(RuntimeError):
-    """The cluster serves neither TrainJob nor JAXJob."""
 
 
 def served_engines(client_configuration=None) -> list[str]:
@@ -95,7 +58,8 @@ def served_engines(client_configuration=None) -> list[str]:
         try:
             config.load_incluster_config()
         except config.ConfigException:
-            config.load_kube_config()
+            # $KUBECONFIG read now: the client library reads it once, at import.
+            config.load_kube_config(config_file=os.environ.get("KUBECONFIG"))
         api = client.ApiClient()
     else:
         api = client.ApiClient(client_configuration)

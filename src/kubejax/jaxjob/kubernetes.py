@@ -13,8 +13,8 @@ import time
 from collections.abc import Iterator
 from pathlib import Path
 
-from kubejax.jaxjob.client import JobStatus
 from kubejax.jaxjob.spec import API_VERSION, KIND, PLURAL, JAXJobSpec, build_manifest
+from kubejax.jaxjob.types import JobStatus
 
 GROUP, VERSION = API_VERSION.split("/")
 _SA_NAMESPACE = Path("/var/run/secrets/kubernetes.io/serviceaccount/namespace")

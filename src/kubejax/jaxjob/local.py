@@ -27,7 +27,8 @@ from collections.abc import Callable, Iterator
 from datetime import UTC, datetime
 from pathlib import Path
 
-from kubejax.jaxjob.client import (
+from kubejax.jaxjob.spec import JAXJobSpec
+from kubejax.jaxjob.types import (
     CREATED,
     FAILED,
     RESTARTING,
@@ -35,7 +36,6 @@ from kubejax.jaxjob.client import (
     SUCCEEDED,
     JobStatus,
 )
-from kubejax.jaxjob.spec import JAXJobSpec
 
 _STOP_GRACE_SECONDS = 5.0
 _SUPERVISE_SECONDS = 0.1

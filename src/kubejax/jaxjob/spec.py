@@ -13,6 +13,8 @@ import re
 from dataclasses import dataclass, field
 from typing import Any
 
+from kubejax.errors import KubejaxError
+
 API_VERSION = "kubeflow.org/v1"
 KIND = "JAXJob"
 PLURAL = "jaxjobs"
@@ -26,7 +28,7 @@ _DNS1035 = re.compile(r"^[a-z]([-a-z0-9]*[a-z0-9])?$")
 _MAX_NAME = 63
 
 
-class SpecError(ValueError):
+class SpecError(KubejaxError, ValueError):
     """A bad JAXJob setting; the message names it."""
 
 

@@ -9,10 +9,10 @@ task's volumes, node selector, tolerations and affinity). The same verbs as the 
 
 from __future__ import annotations
 
+import os
 import time
 from collections.abc import Iterator
 
-from kubejax.jaxjob.client import FAILED, RUNNING, SUCCEEDED, SUSPENDED, JobStatus
 from kubejax.jaxjob.kubernetes import default_namespace
 from kubejax.jaxjob.spec import JAXJobSpec
 from kubejax.jaxjob.trainjob import (
@@ -24,6 +24,7 @@ from kubejax.jaxjob.trainjob import (
     RUNTIME,
     build_trainjob_manifest,
 )
+from kubejax.jaxjob.types import FAILED, RUNNING, SUCCEEDED, SUSPENDED, JobStatus
 
 VERSION = API_VERSION.split("/")[1]
 _NOT_FOUND, _CONFLICT = 404, 409
@@ -69,7 +70,9 @@ class TrainJobBackend:
             try:
                 config.load_incluster_config()
             except config.ConfigException:
-                config.load_kube_config(config_file=config_file, context=context)
+                config.load_kube_config(
+                    config_file=config_file or os.environ.get("KUBECONFIG"), context=context
+                )
             api_client = client.ApiClient()
         else:
             api_client = client.ApiClient(client_configuration)

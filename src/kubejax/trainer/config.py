@@ -11,11 +11,13 @@ import typing
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from kubejax.errors import KubejaxError
+
 SCHEDULES = ("linear", "cosine", "constant")
 DTYPES = ("float32", "bfloat16")
 
 
-class ConfigError(ValueError):
+class ConfigError(KubejaxError, ValueError):
     """A bad trainer setting; the message starts with the setting's name."""
 
 
@@ -71,8 +73,10 @@ class TrainConfig:
     mlflow_parent_run_id: str = _f("", "create the run nested under this one (sweep trials)")
     mlflow_tags: str = _f("", "JSON object of extra MLflow tags (KFP run id, task, job name)")
 
-    def validate(self) -> TrainConfig:
-        """Check every field once; raise ConfigError naming the first bad one."""
+    def validate(self, check_paths: bool = True) -> TrainConfig:
+        """Check every field once; raise ConfigError naming the first bad one. Without
+        `check_paths` (a launcher checking settings before it submits a job whose pods see
+        other files), folders are not looked at."""
         if not self.model:
             raise ConfigError("model: required (hub id, local folder or 'scratch')")
         if self.model == "scratch":
@@ -82,13 +86,15 @@ class TrainConfig:
                 json.loads(self.scratch_config or "{}")
             except json.JSONDecodeError as err:
                 raise ConfigError(f"scratch_config: not valid JSON ({err})") from err
-        elif (self.model.startswith((".", "/", "~")) or self.model.count("/") > 1) and not Path(
-            self.model
-        ).expanduser().is_dir():
+        elif (
+            check_paths
+            and (self.model.startswith((".", "/", "~")) or self.model.count("/") > 1)
+            and not Path(self.model).expanduser().is_dir()
+        ):
             raise ConfigError(f"model: {self.model!r} is not a folder")
         if not self.data_dir:
             raise ConfigError("data_dir: required")
-        if not Path(self.data_dir).is_dir():
+        if check_paths and not Path(self.data_dir).is_dir():
             raise ConfigError(f"data_dir: {self.data_dir!r} does not exist")
         if not self.output_dir:
             raise ConfigError("output_dir: required")

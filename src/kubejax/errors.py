@@ -1,0 +1,7 @@
+"""The one base of every error a user can cause and fix: a bad setting, a missing file or
+piece of a cluster. Its message starts with the setting's name and says what is allowed; the
+command line prints it as one line and exits with status 2, without a traceback."""
+
+
+class KubejaxError(Exception):
+    """Bad input or a missing prerequisite; the message names the setting."""

@@ -1,0 +1,7 @@
+"""What a training job leaves in its output folder: the contract between the trainer (in the
+workers) and the launcher (in the KFP task). Importable without jax."""
+
+#: Progress and final figures: {status, step, total_steps, mlflow_run_id, train, evals, final}.
+METRICS_FILE = "metrics.json"
+#: The trained model in the Hugging Face layout, with its tokenizer and labels.
+MODEL_DIR = "model"
