@@ -90,3 +90,13 @@ def test_run_log_verbose_shows_everything(tmp_path):
     with RunLog(tmp_path / "run.log", terminal, verbose=True):
         print(KFP_LINES, end="")
     assert terminal.getvalue() == KFP_LINES
+
+
+def test_compilation_cache_lives_in_the_user_cache(tmp_path, monkeypatch):
+    from kubejax.local_run import compilation_cache_dir
+
+    monkeypatch.delenv("KUBEJAX_CACHE_DIR", raising=False)
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "xdg"))
+    assert compilation_cache_dir() == tmp_path / "xdg" / "kubejax" / "jax"
+    monkeypatch.setenv("KUBEJAX_CACHE_DIR", str(tmp_path / "mine"))
+    assert compilation_cache_dir() == tmp_path / "mine" / "jax"

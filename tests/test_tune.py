@@ -190,12 +190,18 @@ def test_config_errors_name_the_setting():
 
 
 @pytest.mark.slow
-def test_real_sweep_of_the_trainer_4_trials_2_parallel(tmp_path, tiny_model_dir, prepared):
+def test_real_sweep_of_the_trainer_4_trials_2_parallel(
+    tmp_path, tiny_model_dir, prepared, monkeypatch
+):
     from mlflow.tracking import MlflowClient
 
     from kubejax.tracking import local_tracking_uri
 
     uri = local_tracking_uri(tmp_path)
+    # As under KFP's MLflow integration: the task has its own run; the sweep nests under it.
+    kfp_exp = MlflowClient(uri).create_experiment("kfp-pipeline-run")
+    task_run = MlflowClient(uri).create_run(kfp_exp).info.run_id
+    monkeypatch.setenv("MLFLOW_RUN_ID", task_run)
     cfg = SweepConfig(
         space={"learning_rate": {"type": "float", "low": 1e-4, "high": 3e-3, "log": True}},
         max_trials=4,
@@ -227,8 +233,9 @@ def test_real_sweep_of_the_trainer_4_trials_2_parallel(tmp_path, tiny_model_dir,
     assert sum(result.counts.values()) == 4 and result.counts["failed"] == 0
     assert set(result.best_params) == {"learning_rate"}
     client = MlflowClient(uri)
-    exp = client.get_experiment_by_name("sweep")
-    runs = client.search_runs([exp.experiment_id])
+    assert client.get_run(parent).data.tags["mlflow.parentRunId"] == task_run
+    assert client.get_experiment_by_name("sweep") is None  # all in the task run's experiment
+    runs = client.search_runs([kfp_exp])
     children = [r for r in runs if r.data.tags.get("mlflow.parentRunId") == parent]
     assert len(children) == 4
     states = sorted(r.data.tags["kubejax.trial_state"] for r in children)

@@ -253,7 +253,7 @@ def _number(v: str):
 
 def init_local(workdir: str | Path) -> Path:
     """Set up kfp.local for kubejax components in `workdir` (pipeline root, workspace, job
-    logs, JAX compilation cache); returns the resolved workdir.
+    logs) and JAX's compilation cache (`compilation_cache_dir`); returns the resolved workdir.
 
     Use it to run a pipeline of your own that reuses the components on this machine: it is
     what `kubejax run --local` does before running.
@@ -264,8 +264,10 @@ def init_local(workdir: str | Path) -> Path:
     (workdir / "workspace").mkdir(parents=True, exist_ok=True)
     keep_task_arguments_intact()
     # Every trial and the final training compile the same programs: one compile, then the
-    # persistent cache (worker processes inherit this environment).
-    os.environ.setdefault("JAX_COMPILATION_CACHE_DIR", str(workdir / "jax-cache"))
+    # persistent cache (worker processes inherit this environment). It lives in the user's
+    # cache folder, as pip's and Hugging Face's do, so the next run starts warm too; JAX keys
+    # its entries by program, JAX version and flags.
+    os.environ.setdefault("JAX_COMPILATION_CACHE_DIR", str(compilation_cache_dir()))
     os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0")
     os.environ.setdefault(LOG_DIR_ENV, str(workdir / "logs" / "jobs"))
     kfp.local.init(
@@ -275,6 +277,15 @@ def init_local(workdir: str | Path) -> Path:
         raise_on_error=True,
     )
     return workdir
+
+
+def compilation_cache_dir() -> Path:
+    """Where local runs keep JAX's persistent compilation cache: $KUBEJAX_CACHE_DIR/jax, else
+    $XDG_CACHE_HOME/kubejax/jax, else ~/.cache/kubejax/jax."""
+    root = os.environ.get("KUBEJAX_CACHE_DIR") or (
+        Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "kubejax"
+    )
+    return Path(root) / "jax"
 
 
 def keep_task_arguments_intact() -> None:

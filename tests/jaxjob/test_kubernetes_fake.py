@@ -87,9 +87,10 @@ def test_fake_timeout_deletes_the_job():
         assert fake.count("DELETE", "/jaxjobs/train-1") == 1
 
 
-def test_fake_sigterm_deletes_the_job():
+@pytest.mark.parametrize(("engine", "plural"), [("jaxjob", "jaxjobs"), ("trainjob", "trainjobs")])
+def test_fake_sigterm_deletes_the_job(engine, plural):
     script = [[condition("Created"), condition("Running")]]
-    with FakeKubernetes(script=script) as fake:
+    with FakeKubernetes(script=script, served=(engine,)) as fake:
         code = textwrap.dedent(f"""
             from kubernetes import client
             from kubejax.jaxjob.client import JAXJobClient
@@ -102,9 +103,9 @@ def test_fake_sigterm_deletes_the_job():
         """)
         proc = subprocess.Popen([sys.executable, "-c", code])
         deadline = time.monotonic() + 60
-        while fake.count("GET", "/jaxjobs/cancel-me") < 2:
+        while fake.count("GET", f"/{plural}/cancel-me") < 2:
             assert proc.poll() is None and time.monotonic() < deadline
             time.sleep(0.05)
         proc.send_signal(signal.SIGTERM)
         assert proc.wait(30) == 128 + signal.SIGTERM
-        assert fake.count("DELETE", "/jaxjobs/cancel-me") == 1
+        assert fake.count("DELETE", f"/{plural}/cancel-me") == 1

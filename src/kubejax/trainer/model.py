@@ -147,11 +147,20 @@ class BertClassifier(nnx.Module):
     def __init__(self, cfg: BertConfig, num_labels: int, dtype=jnp.float32, *, rngs: nnx.Rngs):
         self.config = cfg
         self.num_labels = num_labels
+        self.dtype = dtype
         self.bert = BertEncoder(cfg, dtype, rngs=rngs)
         self.pooler = _dense(cfg.hidden_size, cfg.hidden_size, cfg, dtype, rngs)
         drop = cfg.classifier_dropout
         self.dropout = nnx.Dropout(cfg.hidden_dropout_prob if drop is None else drop)
         self.classifier = _dense(cfg.hidden_size, num_labels, cfg, dtype, rngs)
+
+    def init_fresh(self, names: list[str], rngs: nnx.Rngs) -> None:
+        """Initialise the parts a checkpoint did not provide ("pooler.dense", "classifier")."""
+        h = self.config.hidden_size
+        if "pooler.dense" in names:
+            self.pooler = _dense(h, h, self.config, self.dtype, rngs)
+        if "classifier" in names:
+            self.classifier = _dense(h, self.num_labels, self.config, self.dtype, rngs)
 
     def __call__(self, input_ids, attention_mask, *, deterministic: bool = True, rngs=None):
         """Logits [batch, num_labels], in float32."""

@@ -64,8 +64,13 @@ def build_model(cfg: TrainConfig, num_labels: int) -> tuple[BertClassifier, Path
         model_cfg.hidden_dropout_prob = cfg.dropout
         model_cfg.attention_probs_dropout_prob = cfg.dropout
         model_cfg.classifier_dropout = cfg.dropout
-    model = BertClassifier(model_cfg, num_labels, dtype, rngs=nnx.Rngs(cfg.seed))
-    fresh = weights.load_pretrained(model, tensors) if tensors is not None else ["all"]
+    if tensors is None:
+        model, fresh = (
+            BertClassifier(model_cfg, num_labels, dtype, rngs=nnx.Rngs(cfg.seed)),
+            ["all"],
+        )
+    else:
+        model, fresh = weights.from_pretrained(model_cfg, num_labels, tensors, dtype, cfg.seed)
     tokenizer_dir = Path(cfg.tokenizer) if cfg.tokenizer else model_dir
     if tokenizer_dir is not None and not tokenizer_dir.is_dir():
         tokenizer_dir = weights.resolve_model_dir(str(tokenizer_dir))
