@@ -149,8 +149,9 @@ def stage_dataset(dataset_path: str | Path, target: Path) -> Path:
 
 def compilation_cache_env(workspace: str | Path) -> dict[str, str]:
     """Worker env that shares JAX's persistent compilation cache through the workspace: the
-    sweep's trials and the final training compile the same programs once."""
-    if not workspace:
+    sweep's trials and the final training compile the same programs once. A cache the task
+    already has (set on the task, or by a local run) is kept: the workers get it too."""
+    if not workspace or os.environ.get("JAX_COMPILATION_CACHE_DIR"):
         return {}
     return {
         "JAX_COMPILATION_CACHE_DIR": str(Path(workspace) / "kubejax" / "jax-cache"),

@@ -172,10 +172,13 @@ def test_job_names_are_deterministic_dns_labels():
     JAXJobSpec(name=long, image="i", command=["python"])
 
 
-def test_workers_share_the_compilation_cache_through_the_workspace():
+def test_workers_share_the_compilation_cache_through_the_workspace(monkeypatch):
     from kubejax.launcher import compilation_cache_env
 
+    monkeypatch.delenv("JAX_COMPILATION_CACHE_DIR", raising=False)
     env = compilation_cache_env("/kfp-workspace")
     assert env["JAX_COMPILATION_CACHE_DIR"] == "/kfp-workspace/kubejax/jax-cache"
     assert env["JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS"] == "0"
     assert compilation_cache_env("") == {}
+    monkeypatch.setenv("JAX_COMPILATION_CACHE_DIR", "/home/me/.cache/jax")
+    assert compilation_cache_env("/kfp-workspace") == {}  # the task's own cache is kept
