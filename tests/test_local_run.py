@@ -49,7 +49,7 @@ def test_only_the_demo_profile_caps_the_evaluation(tmp_path):
 
 def test_budget_line_says_what_applies(tmp_path):
     demo = describe_budget("demo", embedded_params(tmp_path, "demo"))
-    assert demo.startswith("budget: profile demo: max_length 64; 4 trials × 16 steps")
+    assert demo.startswith("budget: profile demo: max_length 64; 4 trials × 12 steps")
     assert "final training 50 steps on 2 worker(s)" in demo and "test ≤ 500 rows" in demo
     quick = describe_budget("quick", embedded_params(tmp_path, "quick"))
     assert "final training 1 epoch(s)" in quick and "validation ≤ 1000 rows" in quick

@@ -73,7 +73,7 @@ PROFILES: dict[str, dict[str, Any]] = {
         64,
         (0, 200, 500),
         trials=4,
-        trial_steps=16,
+        trial_steps=12,
         train={"max_steps": 50, "eval_every": 25, "checkpoint_every": 25},
         eval_examples=128,
         # Nearly every synthetic review fills 64 tokens: one padded shape, one compile.
