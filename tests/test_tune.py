@@ -272,3 +272,17 @@ def test_a_retried_sweep_reattaches_to_a_running_trial(client, tmp_path):
     assert any("re-attached to trial 0" in line for line in lines)
     assert [t["state"] for t in r.trials] == ["complete", "complete"]
     assert r.trials[0]["steps"] == 5
+
+
+def test_trial_jobs_keep_the_users_mlflow_tags():
+    from kubejax.tune import trainer_trial_spec
+
+    make = trainer_trial_spec(
+        image="i",
+        replicas=1,
+        data_dir="/d",
+        hyperparameters={"model": "m", "mlflow_tags": json.dumps({"team": "search"})},
+    )
+    args = make(3, {"learning_rate": 1e-4}, "/o", "trial-3-x").args
+    tags = json.loads(args[args.index("--mlflow-tags") + 1])
+    assert tags == {"team": "search", "kubejax.trial": "3", "kubejax.jaxjob": "trial-3-x"}

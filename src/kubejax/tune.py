@@ -575,7 +575,10 @@ def trainer_trial_spec(
         hp = {**hyperparameters, **params, "mlflow_run_name": f"trial-{number}"}
         if parent_run_id:
             hp["mlflow_parent_run_id"] = parent_run_id
-        hp["mlflow_tags"] = json.dumps({"kubejax.trial": str(number), "kubejax.jaxjob": name})
+        user_tags = json.loads(hyperparameters.get("mlflow_tags") or "{}")
+        hp["mlflow_tags"] = json.dumps(
+            {**user_tags, "kubejax.trial": str(number), "kubejax.jaxjob": name}
+        )
         env = {**tracking.worker_env(mlflow_tracking_uri), **(extra_env or {})}
         return build_train_spec(
             name=name,
