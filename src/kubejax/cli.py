@@ -151,35 +151,19 @@ def _add_jaxjob(sub) -> None:
     p = sub.add_parser("jaxjob", help="render or run a trainer JAXJob (see render, launch)")
     jsub = p.add_subparsers(dest="jaxjob_command", required=True)
 
-    def common(q):
-        q.add_argument("--name", default="kubejax-train", help="job name (DNS-1035)")
-        q.add_argument("--replicas", type=int, default=1, help="number of workers")
-        q.add_argument(
-            "--restart-policy", default="OnFailure", help="Never, OnFailure, Always or ExitCode"
-        )
-        q.add_argument("--backoff-limit", type=int, default=3, help="group restarts allowed")
-        q.add_argument("--active-deadline", type=int, default=None, help="activeDeadlineSeconds")
-        q.add_argument("--image", default=IMAGE, help="worker image")
-        q.add_argument("--namespace", default=None)
-        q.add_argument("--cpu", default=None, help="CPU limit per worker, e.g. 4")
-        q.add_argument("--memory", default=None, help="memory limit per worker, e.g. 16Gi")
-        q.add_argument("--gpus", type=int, default=0, help="nvidia.com/gpu per worker")
-        q.add_argument("--tpus", type=int, default=0, help="google.com/tpu per worker")
-        q.add_argument("--env", action="append", default=[], metavar="NAME=VALUE")
-
     r = jsub.add_parser(
         "render",
         help="print the JAXJob manifest as YAML",
         description="Print the manifest; trainer flags follow '--'.",
     )
-    common(r)
+    _job_options(r)
     r.set_defaults(func=_jaxjob_render, engine="jaxjob")
     run = jsub.add_parser(
         "run",
         help="run the JAXJob (--local: on this machine)",
         description="Run the trainer as a JAXJob; trainer flags follow '--'.",
     )
-    common(run)
+    _job_options(run)
     run.add_argument("--local", action="store_true", help="use the local backend")
     run.add_argument("--timeout", type=float, default=24 * 3600, help="seconds to wait")
     run.add_argument("--log-dir", default=None, help="where worker logs go (local)")

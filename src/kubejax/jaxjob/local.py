@@ -35,6 +35,7 @@ from kubejax.jaxjob.types import (
     RUNNING,
     SUCCEEDED,
     JobStatus,
+    poll_until,
 )
 
 _STOP_GRACE_SECONDS = 5.0
@@ -304,18 +305,7 @@ class LocalBackend:
         return [j.status() for j in self.jobs.values() if not j.deleted.is_set()]
 
     def wait_for_job_status(self, name, status, timeout, polling_interval, callback=None):
-        end = time.monotonic() + timeout
-        while True:
-            st = self.get_job(name)
-            if callback is not None:
-                callback(st)
-            if st.state in status:
-                return st
-            if st.finished:
-                return st  # a terminal state not asked for: nothing more will change
-            if time.monotonic() >= end:
-                raise TimeoutError(f"JAXJob {name} did not reach {sorted(status)} in {timeout}s")
-            time.sleep(min(polling_interval, max(end - time.monotonic(), 0.01)))
+        return poll_until(lambda: self.get_job(name), status, timeout, polling_interval, callback)
 
     def get_job_logs(self, name: str, follow: bool = False, worker: int = 0) -> Iterator[str]:
         job = self._job(name)

@@ -140,13 +140,31 @@ class JAXJobSpec:
         self.env = env_list(self.env)
 
 
-def _drop_empty(d: dict) -> dict:
+def drop_empty(d: dict) -> dict:
+    """The entries of a manifest mapping that carry a value (None, {} and [] are left out)."""
     return {k: v for k, v in d.items() if v not in (None, {}, [])}
+
+
+def job_labels(spec: JAXJobSpec) -> dict[str, str]:
+    """The job's and its pods' labels: kubejax's job-name label and the spec's own."""
+    return {f"{LABEL_PREFIX}/job-name": spec.name, **spec.labels}
+
+
+def job_metadata(spec: JAXJobSpec) -> dict:
+    """The metadata of the job object (JAXJob or TrainJob)."""
+    return drop_empty(
+        {
+            "name": spec.name,
+            "namespace": spec.namespace,
+            "labels": job_labels(spec),
+            "annotations": dict(spec.annotations),
+        }
+    )
 
 
 def build_manifest(spec: JAXJobSpec) -> dict:
     """The `kubeflow.org/v1` JAXJob object for `spec`, as a plain dict."""
-    container = _drop_empty(
+    container = drop_empty(
         {
             "name": CONTAINER,
             "image": spec.image,
@@ -159,7 +177,7 @@ def build_manifest(spec: JAXJobSpec) -> dict:
             "workingDir": spec.working_dir,
         }
     )
-    pod_spec = _drop_empty(
+    pod_spec = drop_empty(
         {
             "containers": [container],
             "volumes": spec.volumes,
@@ -169,8 +187,8 @@ def build_manifest(spec: JAXJobSpec) -> dict:
             "serviceAccountName": spec.service_account,
         }
     )
-    labels = {f"{LABEL_PREFIX}/job-name": spec.name, **spec.labels}
-    run_policy = _drop_empty(
+    labels = job_labels(spec)
+    run_policy = drop_empty(
         {
             "backoffLimit": spec.backoff_limit,
             "activeDeadlineSeconds": spec.active_deadline_seconds,
@@ -179,25 +197,17 @@ def build_manifest(spec: JAXJobSpec) -> dict:
             "schedulingPolicy": spec.scheduling_policy,
         }
     )
-    metadata = _drop_empty(
-        {
-            "name": spec.name,
-            "namespace": spec.namespace,
-            "labels": labels,
-            "annotations": spec.annotations,
-        }
-    )
     return {
         "apiVersion": API_VERSION,
         "kind": KIND,
-        "metadata": metadata,
+        "metadata": job_metadata(spec),
         "spec": {
             "jaxReplicaSpecs": {
                 "Worker": {
                     "replicas": spec.replicas,
                     "restartPolicy": spec.restart_policy,
                     "template": {
-                        "metadata": _drop_empty(
+                        "metadata": drop_empty(
                             {"labels": dict(labels), "annotations": dict(spec.annotations)}
                         ),
                         "spec": pod_spec,

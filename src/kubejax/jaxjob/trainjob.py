@@ -16,7 +16,7 @@ backoffLimit).
 
 from __future__ import annotations
 
-from kubejax.jaxjob.spec import LABEL_PREFIX, JAXJobSpec, _drop_empty
+from kubejax.jaxjob.spec import LABEL_PREFIX, JAXJobSpec, drop_empty, job_labels, job_metadata
 
 API_GROUP = "trainer.kubeflow.org"
 API_VERSION = f"{API_GROUP}/v1alpha1"
@@ -33,8 +33,8 @@ POD_JOB_LABEL = "jobset.sigs.k8s.io/jobset-name"
 
 def build_trainjob_manifest(spec: JAXJobSpec, runtime: str = RUNTIME) -> dict:
     """The `trainer.kubeflow.org/v1alpha1` TrainJob object for `spec`, as a plain dict."""
-    labels = {f"{LABEL_PREFIX}/job-name": spec.name, **spec.labels}
-    pod_spec = _drop_empty(
+    labels = job_labels(spec)
+    pod_spec = drop_empty(
         {
             "nodeSelector": spec.node_selector,
             "tolerations": spec.tolerations,
@@ -48,12 +48,10 @@ def build_trainjob_manifest(spec: JAXJobSpec, runtime: str = RUNTIME) -> dict:
             ),
         }
     )
-    pod_template = _drop_empty(
+    pod_template = drop_empty(
         {
             # Copies: a shared dict would print as a YAML anchor.
-            "metadata": _drop_empty(
-                {"labels": dict(labels), "annotations": dict(spec.annotations)}
-            ),
+            "metadata": drop_empty({"labels": dict(labels), "annotations": dict(spec.annotations)}),
             "spec": pod_spec,
         }
     )
@@ -69,7 +67,7 @@ def build_trainjob_manifest(spec: JAXJobSpec, runtime: str = RUNTIME) -> dict:
             }
         },
     }
-    trainer = _drop_empty(
+    trainer = drop_empty(
         {
             "image": spec.image,
             "command": spec.command,
@@ -79,19 +77,11 @@ def build_trainjob_manifest(spec: JAXJobSpec, runtime: str = RUNTIME) -> dict:
             "resourcesPerNode": spec.resources,
         }
     )
-    metadata = _drop_empty(
-        {
-            "name": spec.name,
-            "namespace": spec.namespace,
-            "labels": labels,
-            "annotations": spec.annotations,
-        }
-    )
     return {
         "apiVersion": API_VERSION,
         "kind": KIND,
-        "metadata": metadata,
-        "spec": _drop_empty(
+        "metadata": job_metadata(spec),
+        "spec": drop_empty(
             {
                 "runtimeRef": {"name": runtime, "kind": RUNTIME_KIND, "apiGroup": API_GROUP},
                 "trainer": trainer,

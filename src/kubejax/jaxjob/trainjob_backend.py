@@ -24,7 +24,7 @@ from kubejax.jaxjob.trainjob import (
     RUNTIME,
     build_trainjob_manifest,
 )
-from kubejax.jaxjob.types import FAILED, RUNNING, SUCCEEDED, SUSPENDED, JobStatus
+from kubejax.jaxjob.types import FAILED, RUNNING, SUCCEEDED, SUSPENDED, JobStatus, poll_until
 
 VERSION = API_VERSION.split("/")[1]
 _NOT_FOUND, _CONFLICT = 404, 409
@@ -141,16 +141,7 @@ class TrainJobBackend:
         return [trainjob_status(o) for o in items]
 
     def wait_for_job_status(self, name, status, timeout, polling_interval, callback=None):
-        end = time.monotonic() + timeout
-        while True:
-            st = self.get_job(name)
-            if callback is not None:
-                callback(st)
-            if st.state in status or st.finished:
-                return st
-            if time.monotonic() >= end:
-                raise TimeoutError(f"TrainJob {name} did not reach {sorted(status)} in {timeout}s")
-            time.sleep(min(polling_interval, max(end - time.monotonic(), 0.01)))
+        return poll_until(lambda: self.get_job(name), status, timeout, polling_interval, callback)
 
     def _pods(self, name: str) -> list:
         pods = self.core.list_namespaced_pod(

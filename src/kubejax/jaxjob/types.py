@@ -6,6 +6,8 @@ of them imports the client.
 
 from __future__ import annotations
 
+import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from kubejax.errors import KubejaxError
@@ -59,3 +61,24 @@ class JobStatus:
 
 class EngineNotFoundError(KubejaxError, RuntimeError):
     """The cluster serves neither TrainJob nor JAXJob."""
+
+
+def poll_until(
+    get: Callable[[], JobStatus],
+    status: set[str],
+    timeout: float,
+    polling_interval: float,
+    callback: Callable[[JobStatus], None] | None = None,
+) -> JobStatus:
+    """Read a job's status until its state is in `status` or it has finished (a terminal
+    state not asked for changes no more); TimeoutError after `timeout` seconds."""
+    end = time.monotonic() + timeout
+    while True:
+        st = get()
+        if callback is not None:
+            callback(st)
+        if st.state in status or st.finished:
+            return st
+        if time.monotonic() >= end:
+            raise TimeoutError(f"job {st.name} did not reach {sorted(status)} in {timeout}s")
+        time.sleep(min(polling_interval, max(end - time.monotonic(), 0.01)))
