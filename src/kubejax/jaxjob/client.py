@@ -51,18 +51,11 @@ def in_cluster() -> bool:
 
 def served_engines(client_configuration=None) -> list[str]:
     """The engines whose CRD the API server serves (discovery), preferred first."""
-    from kubernetes import client, config
     from kubernetes.client.rest import ApiException
 
-    if client_configuration is None:
-        try:
-            config.load_incluster_config()
-        except config.ConfigException:
-            # $KUBECONFIG read now: the client library reads it once, at import.
-            config.load_kube_config(config_file=os.environ.get("KUBECONFIG"))
-        api = client.ApiClient()
-    else:
-        api = client.ApiClient(client_configuration)
+    from kubejax.jaxjob.kubernetes import api_client
+
+    api = api_client(client_configuration)
     found = []
     for engine, (path, resource) in _ENGINE_RESOURCES.items():
         try:

@@ -9,6 +9,7 @@ account's unless given.
 from __future__ import annotations
 
 import json
+import os
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -33,6 +34,36 @@ def default_namespace() -> str:
         return context.get("context", {}).get("namespace") or "default"
     except Exception:  # no kubeconfig
         return "default"
+
+
+def api_client(
+    client_configuration=None, config_file: str | None = None, context: str | None = None
+):
+    """A kubernetes ApiClient: from `client_configuration` when given, else in-cluster inside a
+    pod, else the kubeconfig ($KUBECONFIG read now: the client library reads it once, at import)."""
+    from kubernetes import client, config
+
+    if client_configuration is not None:
+        return client.ApiClient(client_configuration)
+    try:
+        config.load_incluster_config()
+    except config.ConfigException:
+        config.load_kube_config(
+            config_file=config_file or os.environ.get("KUBECONFIG"), context=context
+        )
+    return client.ApiClient()
+
+
+def stream_lines(resp) -> Iterator[str]:
+    """Lines of a followed pod log (an unpreloaded response), as they arrive."""
+    buf = b""
+    for chunk in resp.stream(4096):
+        buf += chunk
+        *lines, buf = buf.split(b"\n")
+        for line in lines:
+            yield line.decode("utf-8", "replace")
+    if buf:
+        yield buf.decode("utf-8", "replace")
 
 
 class _Response:
@@ -156,14 +187,7 @@ class KubernetesBackend:
             resp = core.read_namespaced_pod_log(
                 pod, self.namespace, container="jax", follow=True, _preload_content=False
             )
-            buf = b""
-            for chunk in resp.stream(4096):
-                buf += chunk
-                *lines, buf = buf.split(b"\n")
-                for line in lines:
-                    yield line.decode("utf-8", "replace")
-            if buf:
-                yield buf.decode("utf-8", "replace")
+            yield from stream_lines(resp)
             return
         try:
             text = core.read_namespaced_pod_log(pod, self.namespace, container="jax")

@@ -9,11 +9,10 @@ task's volumes, node selector, tolerations and affinity). The same verbs as the 
 
 from __future__ import annotations
 
-import os
 import time
 from collections.abc import Iterator
 
-from kubejax.jaxjob.kubernetes import default_namespace
+from kubejax.jaxjob.kubernetes import api_client, default_namespace, stream_lines
 from kubejax.jaxjob.spec import JAXJobSpec
 from kubejax.jaxjob.trainjob import (
     API_GROUP,
@@ -50,7 +49,7 @@ def trainjob_status(obj: dict) -> JobStatus:
         j.get("name", "node"): {k: j.get(k, 0) for k in ("active", "succeeded", "failed")}
         for j in jobs
     }
-    return JobStatus(obj["metadata"]["name"], conditions or [], replicas)
+    return JobStatus(obj["metadata"]["name"], conditions, replicas)
 
 
 class TrainJobBackend:
@@ -64,22 +63,13 @@ class TrainJobBackend:
         context: str | None = None,
         runtime: str = RUNTIME,
     ):
-        from kubernetes import client, config
+        from kubernetes import client
 
-        if client_configuration is None:
-            try:
-                config.load_incluster_config()
-            except config.ConfigException:
-                config.load_kube_config(
-                    config_file=config_file or os.environ.get("KUBECONFIG"), context=context
-                )
-            api_client = client.ApiClient()
-        else:
-            api_client = client.ApiClient(client_configuration)
+        api = api_client(client_configuration, config_file, context)
         self.namespace = namespace or default_namespace()
         self.runtime = runtime
-        self.custom = client.CustomObjectsApi(api_client)
-        self.core = client.CoreV1Api(api_client)
+        self.custom = client.CustomObjectsApi(api)
+        self.core = client.CoreV1Api(api)
 
     def _get(self, name: str) -> dict:
         return self.custom.get_namespaced_custom_object(
@@ -179,14 +169,7 @@ class TrainJobBackend:
             follow=True,
             _preload_content=False,
         )
-        buf = b""
-        for chunk in resp.stream(4096):
-            buf += chunk
-            *lines, buf = buf.split(b"\n")
-            for line in lines:
-                yield line.decode("utf-8", "replace")
-        if buf:
-            yield buf.decode("utf-8", "replace")
+        yield from stream_lines(resp)
 
     def log_tail(self, name: str, worker: int = 0, lines: int = 40) -> str:
         """The last log lines of the first failed node (else of node `worker`)."""
