@@ -43,57 +43,26 @@ def evaluate(
     Returns:
         The test accuracy (what the pipeline's registration gate compares).
     """
-    import time
-
-    import pandas as pd
-
-    from kubejax import tracking
-    from kubejax.evaluate import evaluate_model, save_predictions, write_eval_report
-
-    t0 = time.monotonic()
-    result = evaluate_model(model.path, dataset.path, split=split, batch_size=batch_size)
-    names = result["label_names"]
-    for key in ("accuracy", "macro_f1", "loss", "majority_baseline", "examples_per_s"):
-        metrics.log_metric(key, float(result[key]))
-    for name, f1 in zip(names, result["f1"]):
-        metrics.log_metric(f"f1_{name}", float(f1))
-    metrics.log_metric("wall_s", round(time.monotonic() - t0, 2))
-    confusion_matrix.log_confusion_matrix(names, result["confusion_matrix"])
-    print(
-        f"evaluate: {split} accuracy {result['accuracy']:.4f}, macro-F1 {result['macro_f1']:.4f} "
-        f"on {int(sum(map(sum, result['confusion_matrix'])))} rows",
-        flush=True,
-    )
-    write_eval_report(result, report.path)
-
-    tracker = tracking.create_tracker(
-        mlflow_tracking_uri,
-        mlflow_experiment,
-        run_id=mlflow_run_id or None,
-        run_name=None if mlflow_run_id else "evaluate",
-        tags=tracking.kfp_tags({"kubejax.step": "evaluate"}),
-    )
-    tracker.log_metrics(
-        {
-            f"{split}_{k}": float(result[k])
-            for k in ("accuracy", "macro_f1", "loss", "majority_baseline")
-        }
-    )
-    tracker.log_metrics({f"{split}_f1_{n}": float(v) for n, v in zip(names, result["f1"])})
-    preds_path = report.path + ".predictions.json"
-    save_predictions(result, preds_path)
-    tracker.log_artifact(preds_path, "evaluation")
-    tracker.log_artifact(report.path, "evaluation")
-    model_uri = ""
-    if log_model and tracker.run_id:
-        from kubejax.data.dataset import load_split
-
-        texts = load_split(dataset.path, split, with_text=True).texts or ["example review"]
-        model_uri = tracker.log_pyfunc_model(model.path, pd.DataFrame({"text": texts[:2]}))
-    tracker.finish()
     import json
+    from pathlib import Path
 
-    with open(mlflow_model.path, "w") as f:
-        json.dump({"model_uri": model_uri, "mlflow_run_id": tracker.run_id or ""}, f)
-    mlflow_model.metadata.update({"model_uri": model_uri, "mlflow_run_id": tracker.run_id or ""})
-    return float(result["accuracy"])
+    from kubejax.evaluate import evaluate_task
+
+    outcome = evaluate_task(
+        model.path,
+        dataset.path,
+        report.path,
+        split=split,
+        batch_size=batch_size,
+        mlflow_run_id=mlflow_run_id,
+        mlflow_tracking_uri=mlflow_tracking_uri,
+        mlflow_experiment=mlflow_experiment,
+        log_model=log_model,
+    )
+    for key, value in outcome.metrics.items():
+        metrics.log_metric(key, value)
+    confusion_matrix.log_confusion_matrix(outcome.label_names, outcome.confusion_matrix)
+    logged = {"model_uri": outcome.model_uri, "mlflow_run_id": outcome.mlflow_run_id}
+    Path(mlflow_model.path).write_text(json.dumps(logged))
+    mlflow_model.metadata.update(logged)
+    return outcome.accuracy

@@ -70,77 +70,30 @@ def train(
     Returns:
         mlflow_run_id: the training run ('' when tracking is off); job_name: the JAXJob.
     """
-    import os
+    from pathlib import Path
 
-    from kubejax.launcher import log_to_stdout, train_with_jaxjob
-    from kubejax.monitoring import read_worker_summaries, training_report
-    from kubejax.version import IMAGE
+    from kubejax.launchers.train import train_task
 
-    hp = {**hyperparameters, **best_params, "model": base_model}
-    hp.setdefault("mlflow_experiment", mlflow_experiment)
-    result = train_with_jaxjob(
-        dataset_path=dataset.path,
-        model_path=model.path,
-        hyperparameters=hp,
+    outcome = train_task(
+        dataset.path,
+        model.path,
+        base_model=base_model,
+        hyperparameters=hyperparameters,
+        best_params=best_params,
+        mlflow_experiment=mlflow_experiment,
+        image=image,
         replicas=replicas,
-        image=image or IMAGE,
         backend=backend,
         timeout=timeout_seconds,
         workspace=workspace_path,
         run_id=run_id,
         task_name=task_name,
         task_config=task_config,
-        mlflow_tracking_uri=mlflow_tracking_uri or os.environ.get("MLFLOW_TRACKING_URI", ""),
-        log=log_to_stdout,
+        mlflow_tracking_uri=mlflow_tracking_uri,
     )
-    resources = read_worker_summaries(result["output_dir"])
-    for key in (
-        "train_loss",
-        "train_accuracy",
-        "eval_loss",
-        "eval_accuracy",
-        "examples_per_s",
-        "tokens_per_s",
-        "wall_s",
-        "steps",
-    ):
-        metrics.log_metric(key, float(result[key]))
-    for r in resources:
-        metrics.log_metric(f"worker{r['worker']}_peak_rss_mb", round(r["peak_rss_mb"], 1))
-        metrics.log_metric(f"worker{r['worker']}_cpu_percent_mean", round(r["cpu_percent_mean"], 1))
-        metrics.log_metric(
-            f"worker{r['worker']}_examples_per_s", result["examples_per_s"] / max(len(resources), 1)
-        )
-    model.metadata.update(
-        {
-            "base_model": base_model,
-            "jaxjob": result["job_name"],
-            "mlflow_run_id": result["mlflow_run_id"],
-            "framework": "jax/flax",
-        }
-    )
-    with open(report.path, "w") as f:
-        f.write(
-            training_report(
-                {
-                    "status": "completed",
-                    "step": result["steps"],
-                    "total_steps": result["steps"],
-                    **result["history"],
-                    "final": {
-                        k: result[k]
-                        for k in (
-                            "train_loss",
-                            "eval_loss",
-                            "eval_accuracy",
-                            "examples_per_s",
-                            "wall_s",
-                        )
-                    },
-                },
-                resources,
-                title=f"Training: JAXJob {result['job_name']}",
-            )
-        )
+    for key, value in outcome.metrics.items():
+        metrics.log_metric(key, value)
+    model.metadata.update(outcome.model_metadata)
+    Path(report.path).write_text(outcome.report_html)
     outputs = NamedTuple("Outputs", mlflow_run_id=str, job_name=str)
-    return outputs(result["mlflow_run_id"], result["job_name"])
+    return outputs(outcome.mlflow_run_id, outcome.job_name)

@@ -24,7 +24,7 @@ def tune_sweep(
     max_trials: int = 8,
     parallelism: int = 2,
     max_failed_trials: int = 2,
-    trial_timeout_seconds: int = 7200,
+    trial_timeout_seconds: int = 3600,
     pruner: str = "median",
     pruner_min_steps: int = 1,
     seed: int = 0,
@@ -81,60 +81,15 @@ def tune_sweep(
     Returns:
         best_params (trainer settings, as the train step takes them) and best_value.
     """
-    import os
-    from pathlib import Path
+    settings = dict(locals())  # the parameters by name, taken before any import adds names
+    from kubejax.launchers.sweep import sweep_task
 
-    from kubejax.jaxjob.spec import job_name
-    from kubejax.launcher import compilation_cache_env, log_to_stdout, stage_dataset
-    from kubejax.tune import SweepConfig, sweep_with_jaxjobs, write_report, write_trials
-    from kubejax.version import IMAGE
-
-    study = job_name(run_id, task_name, prefix="sweep") if run_id else "sweep"
-    if workspace_path:
-        root = Path(workspace_path) / "kubejax" / study
-        data_dir = stage_dataset(dataset.path, root / "data")
-    else:
-        root = Path(trials.path).parent / study
-        data_dir = Path(dataset.path)
-    root.mkdir(parents=True, exist_ok=True)
-    cfg = SweepConfig(
-        space=search_space,
-        objective=objective,
-        direction=direction,
-        algorithm=algorithm,
-        max_trials=max_trials,
-        parallelism=parallelism,
-        max_failed_trials=max_failed_trials,
-        trial_timeout=trial_timeout_seconds,
-        pruner=pruner,
-        pruner_min_steps=pruner_min_steps,
-        seed=seed,
-        storage=storage or f"sqlite:///{root / 'study.db'}",
-        study_name=study,
-        poll_seconds=poll_seconds,
-    )
-    result, parent = sweep_with_jaxjobs(
-        cfg,
-        data_dir=str(data_dir),
-        trials_root=str(root / "trials"),
-        hyperparameters={**hyperparameters, "model": base_model},
-        image=image or IMAGE,
-        replicas=replicas,
-        backend=backend,
-        task_config=task_config,
-        mlflow_tracking_uri=mlflow_tracking_uri or os.environ.get("MLFLOW_TRACKING_URI", ""),
-        mlflow_experiment=mlflow_experiment,
-        tags={"kfp.run_id": run_id, "kfp.task_name": task_name},
-        extra_env=compilation_cache_env(workspace_path),
-        log=log_to_stdout,
-    )
-    write_trials(result, trials.path)
-    write_report(result, cfg, report.path)
-    metrics.log_metric("best_value", result.best_value)
-    metrics.log_metric("best_trial", result.best_trial)
-    metrics.log_metric("trial_steps", result.trial_steps)
-    for state, n in result.counts.items():
-        metrics.log_metric(f"trials_{state}", n)
-    trials.metadata.update({"mlflow_parent_run_id": parent, "counts": result.counts})
+    paths = [settings.pop(name).path for name in ("dataset", "trials", "report")]
+    del settings["metrics"]
+    outcome = sweep_task(*paths, **settings)
+    for key, value in outcome.metrics.items():
+        metrics.log_metric(key, value)
+    counts = outcome.result.counts
+    trials.metadata.update({"mlflow_parent_run_id": outcome.parent_run_id, "counts": counts})
     outputs = NamedTuple("Outputs", best_params=dict, best_value=float)
-    return outputs(result.best_params, result.best_value)
+    return outputs(outcome.result.best_params, outcome.result.best_value)

@@ -56,36 +56,49 @@ def _with_mlflow_secret(task: dsl.PipelineTask) -> dsl.PipelineTask:
 
 def _gpu_workers(task: dsl.PipelineTask, gpus: int) -> dsl.PipelineTask:
     # RESOURCES is passed through (not applied to the launcher): the limit lands on the
-    # JAXJob's worker pods.
-    if gpus:
-        task.set_accelerator_type("nvidia.com/gpu").set_accelerator_limit(gpus)
+    # job's worker pods. `gpus` is a pipeline parameter (0 on CPU-only nodes).
+    task.set_accelerator_type("nvidia.com/gpu").set_accelerator_limit(gpus)
     return task
 
 
-def _prepare(**inputs) -> dsl.PipelineTask:
-    task = prepare_yelp(**inputs)
+def _prepare(base_model: str, **inputs) -> dsl.PipelineTask:
+    """The prepare step, tokenizing with the model's tokenizer."""
+    task = prepare_yelp(tokenizer=base_model, **inputs)
     task.set_display_name("prepare-yelp").set_caching_options(True)
     task.set_cpu_limit("4").set_memory_limit("16Gi")
     return task
 
 
-def _train(gpus_per_worker: int, **inputs) -> dsl.PipelineTask:
-    task = train(
-        **inputs,
+def _train_and_evaluate(
+    dataset,
+    *,
+    gpus_per_worker,
+    mlflow_tracking_uri,
+    mlflow_experiment,
+    **train_inputs,
+) -> dsl.PipelineTask:
+    """The train step (a job with `replicas` workers) and the evaluate step after it; returns
+    the evaluate task."""
+    mlflow = {"mlflow_tracking_uri": mlflow_tracking_uri, "mlflow_experiment": mlflow_experiment}
+    trained = train(
+        dataset=dataset,
+        **train_inputs,
+        **mlflow,
         workspace_path=dsl.WORKSPACE_PATH_PLACEHOLDER,
         run_id=dsl.PIPELINE_JOB_ID_PLACEHOLDER,
         task_name=dsl.PIPELINE_TASK_NAME_PLACEHOLDER,
     )
-    task.set_display_name("train").set_caching_options(False)
-    task.set_retry(num_retries=2, backoff_duration="60s")
-    _gpu_workers(task, gpus_per_worker)
-    return _with_mlflow_secret(task)
-
-
-def _evaluate(**inputs) -> dsl.PipelineTask:
-    task = evaluate(**inputs)
-    task.set_display_name("evaluate").set_caching_options(False)
-    return _with_mlflow_secret(task)
+    trained.set_display_name("train").set_caching_options(False)
+    trained.set_retry(num_retries=2, backoff_duration="60s")
+    _with_mlflow_secret(_gpu_workers(trained, gpus_per_worker))
+    evaluated = evaluate(
+        model=trained.outputs["model"],
+        dataset=dataset,
+        mlflow_run_id=trained.outputs["mlflow_run_id"],
+        **mlflow,
+    )
+    evaluated.set_display_name("evaluate").set_caching_options(False)
+    return _with_mlflow_secret(evaluated)
 
 
 @dsl.pipeline(
@@ -112,8 +125,10 @@ def yelp_pipeline(
     pruner: str = "median",
     trial_hyperparameters: dict = DEFAULT_TRIAL_HP,
     trial_replicas: int = 1,
+    trial_gpus_per_worker: int = 1,
     train_hyperparameters: dict = DEFAULT_TRAIN_HP,
     replicas: int = 2,
+    gpus_per_worker: int = 1,
     image: str = IMAGE,
     backend: str = "auto",
     timeout_seconds: int = 86400,
@@ -142,9 +157,12 @@ def yelp_pipeline(
         parallelism: Trials at once.
         pruner: none, median, successive_halving or hyperband.
         trial_hyperparameters: Fixed trainer settings of every trial.
-        trial_replicas: JAXJob workers per trial.
+        trial_replicas: Workers per trial.
+        trial_gpus_per_worker: nvidia.com/gpu limit of each trial worker (0: CPU only).
         train_hyperparameters: Trainer settings of the final training (the best params win).
-        replicas: JAXJob workers of the final training.
+        replicas: Workers of the final training.
+        gpus_per_worker: nvidia.com/gpu limit of each worker of the final training (0: CPU
+            only).
         image: The kubejax image of every step and worker.
         backend: The engine of the training jobs: auto (in a cluster, the one it serves,
             TrainJob first; elsewhere local), trainjob, jaxjob, kubernetes or local.
@@ -156,7 +174,7 @@ def yelp_pipeline(
         seed: Seed of the splits and the sweep.
     """
     prep = _prepare(
-        tokenizer=base_model,
+        base_model,
         source=source,
         text_column=text_column,
         label_column=label_column,
@@ -189,25 +207,17 @@ def yelp_pipeline(
     )
     sweep.set_display_name("tune-sweep").set_caching_options(False)
     sweep.set_retry(num_retries=2, backoff_duration="60s")
-    _gpu_workers(sweep, 1)
-    _with_mlflow_secret(sweep)
-    trained = _train(
-        1,
-        dataset=prep.outputs["dataset"],
+    _with_mlflow_secret(_gpu_workers(sweep, trial_gpus_per_worker))
+    evaluated = _train_and_evaluate(
+        prep.outputs["dataset"],
         base_model=base_model,
         hyperparameters=train_hyperparameters,
         best_params=sweep.outputs["best_params"],
         replicas=replicas,
+        gpus_per_worker=gpus_per_worker,
         image=image,
         backend=backend,
         timeout_seconds=timeout_seconds,
-        mlflow_tracking_uri=mlflow_tracking_uri,
-        mlflow_experiment=mlflow_experiment,
-    )
-    evaluated = _evaluate(
-        model=trained.outputs["model"],
-        dataset=prep.outputs["dataset"],
-        mlflow_run_id=trained.outputs["mlflow_run_id"],
         mlflow_tracking_uri=mlflow_tracking_uri,
         mlflow_experiment=mlflow_experiment,
     )
@@ -239,6 +249,7 @@ def train_eval_pipeline(
     max_test_samples: int = 0,
     train_hyperparameters: dict = DEFAULT_TRAIN_HP,
     replicas: int = 2,
+    gpus_per_worker: int = 1,
     image: str = IMAGE,
     backend: str = "auto",
     timeout_seconds: int = 86400,
@@ -258,7 +269,8 @@ def train_eval_pipeline(
         max_validation_samples: Stratified cap on validation rows (0: all).
         max_test_samples: Stratified cap on test rows (0: all).
         train_hyperparameters: Trainer settings.
-        replicas: JAXJob workers.
+        replicas: Workers of the training job.
+        gpus_per_worker: nvidia.com/gpu limit of each worker (0: CPU only).
         image: The kubejax image.
         backend: auto, trainjob, jaxjob, kubernetes or local (see kubejax-yelp).
         timeout_seconds: Limit of the training job.
@@ -267,7 +279,7 @@ def train_eval_pipeline(
         seed: Seed of the splits.
     """
     prep = _prepare(
-        tokenizer=base_model,
+        base_model,
         source=source,
         text_column=text_column,
         label_column=label_column,
@@ -277,23 +289,16 @@ def train_eval_pipeline(
         max_test_samples=max_test_samples,
         seed=seed,
     )
-    trained = _train(
-        1,
-        dataset=prep.outputs["dataset"],
+    _train_and_evaluate(
+        prep.outputs["dataset"],
         base_model=base_model,
         hyperparameters=train_hyperparameters,
         best_params={},
         replicas=replicas,
+        gpus_per_worker=gpus_per_worker,
         image=image,
         backend=backend,
         timeout_seconds=timeout_seconds,
-        mlflow_tracking_uri=mlflow_tracking_uri,
-        mlflow_experiment=mlflow_experiment,
-    )
-    _evaluate(
-        model=trained.outputs["model"],
-        dataset=prep.outputs["dataset"],
-        mlflow_run_id=trained.outputs["mlflow_run_id"],
         mlflow_tracking_uri=mlflow_tracking_uri,
         mlflow_experiment=mlflow_experiment,
     )

@@ -250,6 +250,10 @@ def _error_cases(tmp_path, trained_tiny, prepared, fake_host):
             ["launch", "--engine", "kubernetes", "--", "--model", "m"],
             "neither TrainJob",
         ),
+        "FlagError": (
+            [*tune, "--space", space, "--hyperparameters", '{"shedule": "cosine"}'],
+            "hyperparameters: 'shedule' is not a setting",
+        ),
     }
 
 
@@ -264,6 +268,7 @@ ERROR_CLASSES = [
     "ConfigError",
     "TrackingError",
     "EngineNotFoundError",
+    "FlagError",
 ]
 
 
@@ -292,6 +297,7 @@ def _subclasses(cls) -> list[type]:
     import kubejax.cli
     import kubejax.data.prepare
     import kubejax.evaluate
+    import kubejax.flags
     import kubejax.jaxjob.client
     import kubejax.tune  # noqa: F401
 

@@ -50,6 +50,38 @@ def test_image_runs_as_non_root_and_tag_follows_the_version():
     assert f"image: {IMAGE}" in compiled
 
 
+def test_the_wheel_holds_every_module_and_the_compiled_pipelines(tmp_path):
+    """What the image installs (`pip install .`, not editable): every module of the source
+    tree, and the compiled YAMLs that `kubejax submit` uploads."""
+    import shutil
+    import subprocess
+    import sys
+    import zipfile
+
+    # Built from a copy: setuptools' build/ folder would otherwise sit in the checkout, and
+    # stale files there would end up in later wheels.
+    source = tmp_path / "source"
+    skip = shutil.ignore_patterns(".*", "build", "*.egg-info", "__pycache__", "demo-run", "bench")
+    shutil.copytree(ROOT, source, ignore=skip)
+    pip = [sys.executable, "-m", "pip", "wheel", "-q", "--no-deps", "--no-build-isolation"]
+    subprocess.run(
+        [*pip, "-w", str(tmp_path), str(source)],
+        check=True,
+        capture_output=True,
+    )
+    names = set(zipfile.ZipFile(next(tmp_path.glob("kubejax-*.whl"))).namelist())
+    trees = {"src/kubejax": "kubejax", "components": "kubejax/components"}
+    trees |= {"pipelines": "kubejax/pipelines", "compiled": "kubejax/compiled"}
+    expected = {
+        f"{prefix}/{path.relative_to(ROOT / folder).as_posix()}"
+        for folder, prefix in trees.items()
+        for path in (ROOT / folder).rglob("*")
+        if path.suffix in (".py", ".yaml") and "__pycache__" not in path.parts
+    }
+    assert expected - names == set()
+    assert "kubejax/compiled/components/tune-sweep.yaml" in names
+
+
 #: Discovery (/apis/<group>/<version>) is open to every authenticated user (system:discovery).
 _DISCOVERY = ("/apis/kubeflow.org/v1", "/apis/trainer.kubeflow.org/v1alpha1")
 _RESOURCES = ("jaxjobs", "trainjobs", "clustertrainingruntimes", "pods")
@@ -105,7 +137,7 @@ def _requests_of(engine: str) -> set[tuple[str, str]]:
             client = JAXJobClient(
                 "kubernetes", namespace="ns", client_configuration=fake.client_configuration()
             )
-            assert client.backend_name == engine
+            assert client.engine == engine
             spec = JAXJobSpec(name="rbac", image="i", command=["python"])
             # The failing script raises JobFailedError.
             with contextlib.suppress(JobFailedError):

@@ -132,7 +132,7 @@ def test_training_nests_under_the_kfp_task_run(
 ):
     """KFP's MLflow integration gives the task MLFLOW_RUN_ID: the JAXJob's training run is
     created under it, in its experiment, and the workers get the task's MLflow variables."""
-    from kubejax.launcher import train_with_jaxjob
+    from kubejax.launchers.train import train_with_jaxjob
     from tests.helpers import tiny_args
 
     client = MlflowClient(mlflow_server)

@@ -10,7 +10,8 @@ import pytest
 
 from kubejax.jaxjob.client import JAXJobClient
 from kubejax.jaxjob.spec import JAXJobSpec
-from kubejax.tune import SweepConfig, SweepError, parse_space, sweep_with_jaxjobs, tune
+from kubejax.launchers.sweep import sweep_with_jaxjobs
+from kubejax.tune import SweepConfig, SweepError, parse_space, tune
 
 PROGRAM = Path(__file__).parent / "trial_program.py"
 
@@ -38,7 +39,7 @@ def factory(steps=10, fail_above=2.0, sleep=0.02):
 def client(tmp_path):
     c = JAXJobClient("local", log_root=tmp_path / "logs")
     yield c
-    c.backend.close()
+    c.close()
 
 
 def _cfg(space, **kw):
@@ -250,7 +251,7 @@ def test_real_sweep_of_the_trainer_4_trials_2_parallel(
 def test_a_retried_sweep_reattaches_to_a_running_trial(client, tmp_path):
     import optuna
 
-    from kubejax.tune import JOB_ATTR, OUTPUT_ATTR
+    from kubejax.tune.controller import JOB_ATTR, OUTPUT_ATTR
 
     storage = f"sqlite:///{tmp_path / 'study.db'}"
     study = optuna.create_study(study_name="s", storage=storage, direction="maximize")
@@ -275,7 +276,7 @@ def test_a_retried_sweep_reattaches_to_a_running_trial(client, tmp_path):
 
 
 def test_trial_jobs_keep_the_users_mlflow_tags():
-    from kubejax.tune import trainer_trial_spec
+    from kubejax.launchers.sweep import trainer_trial_spec
 
     make = trainer_trial_spec(
         image="i",
@@ -286,3 +287,34 @@ def test_trial_jobs_keep_the_users_mlflow_tags():
     args = make(3, {"learning_rate": 1e-4}, "/o", "trial-3-x").args
     tags = json.loads(args[args.index("--mlflow-tags") + 1])
     assert tags == {"team": "search", "kubejax.trial": "3", "kubejax.jaxjob": "trial-3-x"}
+
+
+def test_the_tune_component_mirrors_sweep_task_and_sweep_config():
+    """The component's parameters are sweep_task's, with the same defaults, and its sweep
+    settings default as SweepConfig does (no hand-copied default can drift)."""
+    import dataclasses
+    import inspect
+
+    from kubejax.components.tune import tune_sweep
+
+    from kubejax.launchers.sweep import sweep_task
+
+    artifacts = {"dataset", "trials", "report", "metrics"}
+    component = {
+        n: p.default
+        for n, p in inspect.signature(tune_sweep.python_func).parameters.items()
+        if n not in artifacts
+    }
+    library = {
+        n: p.default
+        for n, p in inspect.signature(sweep_task).parameters.items()
+        if p.kind is inspect.Parameter.KEYWORD_ONLY
+    }
+    assert sorted(component) == sorted(library)
+    assert component.pop("hyperparameters") == {} and library.pop("hyperparameters") is None
+    assert component == library
+    names = {"space": "search_space", "trial_timeout": "trial_timeout_seconds"}
+    for f in dataclasses.fields(SweepConfig):
+        name = names.get(f.name, f.name)
+        if name in component and f.default is not dataclasses.MISSING:
+            assert component[name] == f.default, f.name

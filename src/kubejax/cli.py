@@ -14,13 +14,12 @@ kubejax submit --host URL [--param NAME=VALUE ...]
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import json
 import sys
-import typing
 from pathlib import Path
 
 from kubejax.errors import KubejaxError
+from kubejax.flags import add_flags, from_namespace
 from kubejax.jaxjob.client import BACKENDS, in_cluster
 from kubejax.version import IMAGE, __version__
 
@@ -52,33 +51,14 @@ def _add_prepare(sub) -> None:
     )
     p.add_argument("--output", required=True, help="output dataset folder (must not exist)")
     p.add_argument("--report", help="also write the HTML report here")
-    hints = typing.get_type_hints(PrepareConfig)
-    for f in dataclasses.fields(PrepareConfig):
-        if f.name == "extra":
-            continue
-        tp = hints[f.name]
-        flag = "--" + f.name.replace("_", "-")
-        if tp is bool:
-            p.add_argument(
-                flag, dest=f.name, action=argparse.BooleanOptionalAction, default=f.default
-            )
-        else:
-            base = typing.get_args(tp)[0] if typing.get_args(tp) else tp
-            p.add_argument(
-                flag,
-                dest=f.name,
-                type=base,
-                required=f.default is dataclasses.MISSING,
-                default=None if f.default is dataclasses.MISSING else f.default,
-            )
+    add_flags(p, PrepareConfig, skip={"extra"})
     p.set_defaults(func=_prepare)
 
 
 def _prepare(args) -> int:
     from kubejax.data.prepare import PrepareConfig, prepare_yelp, write_report
 
-    fields = {f.name for f in dataclasses.fields(PrepareConfig)} - {"extra"}
-    cfg = PrepareConfig(**{k: getattr(args, k) for k in fields})
+    cfg = from_namespace(PrepareConfig, args)
     meta = prepare_yelp(cfg, args.output)
     if args.report:
         write_report(meta, args.report)
@@ -172,6 +152,7 @@ def _add_jaxjob(sub) -> None:
 
 def _spec_from_args(args):
     from kubejax.jaxjob.spec import JAXJobSpec, resources
+    from kubejax.launchers.common import TRAINER_COMMAND
 
     env = {}
     for pair in args.env:
@@ -182,7 +163,7 @@ def _spec_from_args(args):
     return JAXJobSpec(
         name=args.name,
         image=args.image,
-        command=["python", "-m", "kubejax.trainer"],
+        command=TRAINER_COMMAND,
         args=args.trainer_args,
         replicas=args.replicas,
         namespace=args.namespace,
@@ -237,26 +218,19 @@ def _jaxjob_run(args) -> int:
 
 
 def _add_tune(sub) -> None:
-    from kubejax.tune import ALGORITHMS, PRUNERS
+    from kubejax.tune import SweepConfig
 
     p = sub.add_parser(
         "tune",
-        help="hyperparameter sweep whose trials are JAXJobs",
-        description="Run an Optuna study; every trial trains as a JAXJob.",
+        help="hyperparameter sweep whose trials are training jobs",
+        description="Run an Optuna study; every trial trains as a job.",
     )
     p.add_argument("--data-dir", required=True, help="prepared dataset")
     p.add_argument("--model", required=True, help="model to fine-tune")
     p.add_argument("--space", required=True, help="JSON search space (or @file.json)")
     p.add_argument("--output-dir", required=True, help="trials, study.db, trials.json, report")
     p.add_argument("--hyperparameters", default="{}", help="JSON of fixed trainer settings")
-    p.add_argument("--objective", default="eval_accuracy")
-    p.add_argument("--direction", default="maximize")
-    p.add_argument("--algorithm", default="tpe", choices=ALGORITHMS)
-    p.add_argument("--pruner", default="median", choices=PRUNERS)
-    p.add_argument("--max-trials", type=int, default=8)
-    p.add_argument("--parallelism", type=int, default=2)
-    p.add_argument("--max-failed-trials", type=int, default=2)
-    p.add_argument("--trial-timeout", type=float, default=3600)
+    add_flags(p, SweepConfig, skip={"space", "storage", "study_name", "poll_seconds"})
     p.add_argument("--replicas", type=int, default=1, help="workers per trial")
     p.add_argument(
         "--backend",
@@ -266,38 +240,31 @@ def _add_tune(sub) -> None:
         "(ask the cluster, TrainJob first)",
     )
     p.add_argument("--image", default=IMAGE)
-    p.add_argument("--seed", type=int, default=0)
     p.add_argument("--mlflow-tracking-uri", default="")
     p.add_argument("--mlflow-experiment", default="kubejax")
     p.set_defaults(func=_tune)
 
 
 def _tune(args) -> int:
-    from kubejax.tune import SweepConfig, sweep_with_jaxjobs, write_report, write_trials
+    from kubejax.launchers.sweep import sweep_with_jaxjobs
+    from kubejax.tune import SweepConfig, write_report, write_trials
 
     space = args.space
     if space.startswith("@"):
         space = Path(space[1:]).read_text()
-    out = Path(args.output_dir)
-    out.mkdir(parents=True, exist_ok=True)
-    cfg = SweepConfig(
-        space=space,
-        objective=args.objective,
-        direction=args.direction,
-        algorithm=args.algorithm,
-        max_trials=args.max_trials,
-        parallelism=args.parallelism,
-        max_failed_trials=args.max_failed_trials,
-        trial_timeout=args.trial_timeout,
-        pruner=args.pruner,
-        seed=args.seed,
-        storage=f"sqlite:///{out.resolve() / 'study.db'}",
-        poll_seconds=1.0 if args.backend == "local" else 5.0,
-    )
     try:
         fixed = json.loads(args.hyperparameters)
     except json.JSONDecodeError as err:
         raise CliError(f"--hyperparameters: not valid JSON ({err})") from err
+    out = Path(args.output_dir)
+    cfg = from_namespace(
+        SweepConfig,
+        args,
+        space=space,
+        storage=f"sqlite:///{out.resolve() / 'study.db'}",
+        poll_seconds=1.0 if args.backend == "local" else 5.0,
+    )
+    out.mkdir(parents=True, exist_ok=True)
     result, _ = sweep_with_jaxjobs(
         cfg,
         data_dir=args.data_dir,

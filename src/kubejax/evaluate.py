@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
@@ -129,4 +130,80 @@ def save_predictions(result: dict, path: str | Path) -> None:
     """Predictions as JSON (label ids, in test-row order)."""
     Path(path).write_text(
         json.dumps({"predictions": result["predictions"], "label_names": result["label_names"]})
+    )
+
+
+@dataclass
+class EvalOutcome:
+    """What the evaluate component logs: figures, the confusion matrix, the logged model."""
+
+    accuracy: float
+    metrics: dict[str, float]
+    label_names: list[str]
+    confusion_matrix: list[list[int]]
+    model_uri: str
+    mlflow_run_id: str
+
+
+def evaluate_task(
+    model_path: str,
+    dataset_path: str,
+    report_path: str,
+    *,
+    split: str = "test",
+    batch_size: int = 64,
+    mlflow_run_id: str = "",
+    mlflow_tracking_uri: str = "",
+    mlflow_experiment: str = "kubejax",
+    log_model: bool = True,
+) -> EvalOutcome:
+    """Evaluate a model folder on a split; write the HTML report (and the predictions beside
+    it); log metrics, report and predictions into the training's MLflow run (or a new
+    `evaluate` run), and the model as a pyfunc model when `log_model`."""
+    from kubejax import tracking
+
+    t0 = time.monotonic()
+    result = evaluate_model(model_path, dataset_path, split=split, batch_size=batch_size)
+    names = result["label_names"]
+    figures = ("accuracy", "macro_f1", "loss", "majority_baseline")
+    metrics = {key: float(result[key]) for key in (*figures, "examples_per_s")}
+    metrics |= {f"f1_{name}": float(f1) for name, f1 in zip(names, result["f1"], strict=True)}
+    metrics["wall_s"] = round(time.monotonic() - t0, 2)
+    print(
+        f"evaluate: {split} accuracy {result['accuracy']:.4f}, macro-F1 {result['macro_f1']:.4f} "
+        f"on {int(sum(map(sum, result['confusion_matrix'])))} rows",
+        flush=True,
+    )
+    write_eval_report(result, report_path)
+    predictions = report_path + ".predictions.json"
+    save_predictions(result, predictions)
+
+    tracker = tracking.create_tracker(
+        mlflow_tracking_uri,
+        mlflow_experiment,
+        run_id=mlflow_run_id or None,
+        run_name=None if mlflow_run_id else "evaluate",
+        tags=tracking.kfp_tags({"kubejax.step": "evaluate"}),
+    )
+    tracker.log_metrics({f"{split}_{k}": float(result[k]) for k in figures})
+    tracker.log_metrics(
+        {f"{split}_f1_{n}": float(v) for n, v in zip(names, result["f1"], strict=True)}
+    )
+    tracker.log_artifact(predictions, "evaluation")
+    tracker.log_artifact(report_path, "evaluation")
+    model_uri = ""
+    if log_model and tracker.run_id:
+        import pandas as pd
+
+        texts = dataset.load_split(dataset_path, split, with_text=True).texts
+        example = pd.DataFrame({"text": (texts or ["example review"])[:2]})
+        model_uri = tracker.log_pyfunc_model(model_path, example)
+    tracker.finish()
+    return EvalOutcome(
+        accuracy=float(result["accuracy"]),
+        metrics=metrics,
+        label_names=names,
+        confusion_matrix=result["confusion_matrix"],
+        model_uri=model_uri,
+        mlflow_run_id=tracker.run_id or "",
     )

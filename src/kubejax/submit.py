@@ -3,12 +3,16 @@
 from __future__ import annotations
 
 import time
+from importlib.resources import files
 from pathlib import Path
 
 from kubejax.local_run import parse_params, pipeline_inputs
 from kubejax.version import __version__
 
-COMPILED = Path(__file__).resolve().parents[2] / "compiled"
+
+def compiled_pipeline(pipeline: str) -> Path:
+    """The compiled YAML of a pipeline, from the installed package (`kubejax.compiled`)."""
+    return Path(str(files("kubejax.compiled") / f"{pipeline}.yaml"))
 
 
 def _package(pipeline: str, package: str | None) -> Path:
@@ -16,15 +20,7 @@ def _package(pipeline: str, package: str | None) -> Path:
         if not Path(package).is_file():
             raise ValueError(f"--package: {package} does not exist")
         return Path(package)
-    path = COMPILED / f"{pipeline}.yaml"
-    if path.is_file():
-        return path
-    # Installed without the repository's compiled/: compile now.
-    import tempfile
-
-    from kubejax.compile import compile_all
-
-    return compile_all(tempfile.mkdtemp(prefix="kubejax-compiled-"))[0].parent / path.name
+    return compiled_pipeline(pipeline)
 
 
 def submit(

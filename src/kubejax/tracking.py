@@ -273,6 +273,11 @@ def local_tracking_uri(workdir: str | Path) -> str:
     return f"sqlite:///{path}"
 
 
+def resolve_uri(tracking_uri: str | None = "") -> str:
+    """The tracking URI in effect: the one given, else $MLFLOW_TRACKING_URI ('' = none)."""
+    return tracking_uri or os.environ.get("MLFLOW_TRACKING_URI", "")
+
+
 def create_tracker(
     tracking_uri: str | None,
     experiment: str,
@@ -281,7 +286,7 @@ def create_tracker(
     **kwargs,
 ) -> Tracker:
     """An MlflowTracker when a URI is given (or $MLFLOW_TRACKING_URI is set), else a no-op."""
-    uri = tracking_uri or os.environ.get("MLFLOW_TRACKING_URI", "")
+    uri = resolve_uri(tracking_uri)
     if not enabled or not uri:
         return Tracker()
     return MlflowTracker(uri, experiment, **kwargs)
@@ -305,7 +310,7 @@ def worker_env(tracking_uri: str) -> dict[str, str]:
     """The MLflow environment of a job's workers: the tracking URI in effect and KFP's
     experiment and workspace variables when the task has them."""
     env = {k: os.environ[k] for k in _WORKER_ENV if os.environ.get(k)}
-    uri = tracking_uri or os.environ.get("MLFLOW_TRACKING_URI", "")
+    uri = resolve_uri(tracking_uri)
     if uri:
         env["MLFLOW_TRACKING_URI"] = uri
     return env
@@ -335,7 +340,7 @@ def register_model(tracking_uri: str | None, model_uri: str, name: str) -> str:
     """Register a logged model under `name` in the Model Registry; returns the version."""
     import mlflow
 
-    uri = tracking_uri or os.environ.get("MLFLOW_TRACKING_URI", "")
+    uri = resolve_uri(tracking_uri)
     if not uri:
         raise TrackingError("mlflow_tracking_uri: required to register a model")
     if not name:

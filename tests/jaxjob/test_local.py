@@ -32,7 +32,7 @@ def _alive(pid: int) -> bool:
 def _pids(client, name: str, n: int) -> list[int]:
     """The job's worker pids, once all `n` workers have started."""
     deadline = time.monotonic() + 30
-    while len(pids := client.backend.worker_pids(name)) < n:
+    while len(pids := client._backend.worker_pids(name)) < n:
         assert time.monotonic() < deadline
         time.sleep(0.02)
     return pids
@@ -46,7 +46,7 @@ def _py(code: str) -> list[str]:
 def client(tmp_path):
     c = JAXJobClient("local", log_root=tmp_path / "logs")
     yield c
-    c.backend.close()
+    c.close()
 
 
 def test_workers_get_the_operator_environment(client, tmp_path):
@@ -87,6 +87,9 @@ def test_never_fails_the_job_with_the_workers_error(client):
         run_job(client, spec, timeout=30, polling_interval=0.05, log=None)
     assert err.value.reason == "JAXJobFailed"
     assert "worker 1 exited with code 3" in err.value.message
+    # The failure log is the failed worker's, as on a cluster (not worker 0's).
+    assert err.value.log_tail.startswith("[never-worker-1]")
+    assert "worker 1 bad input" in err.value.log_tail
 
 
 def test_backoff_limit_stops_restarting(client):
@@ -134,7 +137,7 @@ def test_deadline_stops_every_worker_and_its_children(client):
         assert time.monotonic() < deadline
         time.sleep(0.05)
         logs = [list(client.get_job_logs("slow", worker=i)) for i in range(2)]
-    pids = client.backend.worker_pids("slow")
+    pids = client._backend.worker_pids("slow")
     children = [int(lines[0].split()[1]) for lines in logs]
     status = client.wait_for_job_status("slow", timeout=30, polling_interval=0.05)
     assert status.state == FAILED
@@ -200,7 +203,7 @@ def test_a_crashed_worker_restarts_the_group_which_resumes(
     while not (out / "checkpoints" / "4").is_dir():
         assert time.monotonic() < deadline
         time.sleep(0.05)
-    first = client.backend.worker_pids("crash")
+    first = client._backend.worker_pids("crash")
     os.kill(first[1], 9)  # worker 1 dies mid-run
     status = client.wait_for_job_status("crash", timeout=300, polling_interval=0.2)
     assert status.state == SUCCEEDED
@@ -209,4 +212,4 @@ def test_a_crashed_worker_restarts_the_group_which_resumes(
     logs = "\n".join(client.get_job_logs("crash"))
     assert "resumed at step" in logs
     assert json.loads((out / "metrics.json").read_text())["final"]["steps"] == 16
-    assert not any(_alive(p) for p in first + client.backend.worker_pids("crash"))
+    assert not any(_alive(p) for p in first + client._backend.worker_pids("crash"))

@@ -173,12 +173,14 @@ def test_job_names_are_deterministic_dns_labels():
 
 
 def test_workers_share_the_compilation_cache_through_the_workspace(monkeypatch):
-    from kubejax.launcher import compilation_cache_env
+    from kubejax.launchers.common import worker_env
 
-    monkeypatch.delenv("JAX_COMPILATION_CACHE_DIR", raising=False)
-    env = compilation_cache_env("/kfp-workspace")
+    for name in ("JAX_COMPILATION_CACHE_DIR", "MLFLOW_TRACKING_URI", "MLFLOW_EXPERIMENT_ID"):
+        monkeypatch.delenv(name, raising=False)
+    env = worker_env("/kfp-workspace", "")
     assert env["JAX_COMPILATION_CACHE_DIR"] == "/kfp-workspace/kubejax/jax-cache"
     assert env["JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS"] == "0"
-    assert compilation_cache_env("") == {}
+    assert worker_env("", "") == {}
+    assert worker_env("", "http://mlflow:5000") == {"MLFLOW_TRACKING_URI": "http://mlflow:5000"}
     monkeypatch.setenv("JAX_COMPILATION_CACHE_DIR", "/home/me/.cache/jax")
-    assert compilation_cache_env("/kfp-workspace") == {}  # the task's own cache is kept
+    assert worker_env("/kfp-workspace", "") == {}  # the task's own cache is kept

@@ -21,7 +21,7 @@ from kubejax.jaxjob.client import (
 from kubejax.jaxjob.launch import run_job
 from kubejax.jaxjob.spec import JAXJobSpec, resources
 from kubejax.jaxjob.trainjob import build_trainjob_manifest
-from kubejax.launcher import build_train_spec
+from kubejax.launchers.common import build_train_spec
 from kubejax.trainer.distributed import process_env
 from tests.jaxjob.fake_k8s import FakeKubernetes, condition
 from tests.jaxjob.test_spec import unknown_fields
@@ -168,7 +168,7 @@ def _spec(name="train-1") -> JAXJobSpec:
 )
 def test_fake_discovery_prefers_trainjob_then_jaxjob(served, expected):
     with FakeKubernetes(served=served) as fake:
-        assert _client(fake, "kubernetes").backend_name == expected
+        assert _client(fake, "kubernetes").engine == expected
 
 
 def test_fake_cluster_without_either_crd_names_what_to_install():

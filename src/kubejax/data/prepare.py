@@ -30,6 +30,7 @@ import pandas as pd
 from kubejax import report
 from kubejax.data.tokenizer import TokenizerError, load_tokenizer, tokenize
 from kubejax.errors import KubejaxError
+from kubejax.flags import setting as _f
 
 FORMATS = {".csv": "csv", ".tsv": "tsv", ".json": "json", ".jsonl": "jsonl", ".parquet": "parquet"}
 SPLITS = ("train", "validation", "test")
@@ -45,26 +46,26 @@ class PrepareError(KubejaxError, ValueError):
 class PrepareConfig:
     """What `prepare_yelp` reads and how it tokenizes."""
 
-    tokenizer: str  # model folder or hub id whose fast tokenizer is used
-    source: str = "Yelp/yelp_review_full"  # hub dataset id, a file, a folder, or an fsspec URI
-    revision: str | None = None  # hub revision (branch, tag or commit)
-    train_split: str = "train"  # split spec, e.g. "train" or "train[:1%]"
-    validation_split: str = ""  # empty: carve validation out of train
-    test_split: str = "test"  # for a single-file source, carved out of it
-    text_column: str = "text"
-    label_column: str = "label"
-    label_mapping: str = "auto"  # auto | a JSON object {raw label: id}
-    num_labels: int = 0  # 0: inferred; else labels must lie in 0..num_labels-1 after mapping
-    max_length: int = 256  # truncation length in tokens, [CLS] and [SEP] included
-    validation_fraction: float = 0.1  # share of train carved out as validation
-    test_fraction: float = 0.1  # share carved out as test when the source has no test split
-    max_train_samples: int = 0  # stratified caps; 0: no cap
-    max_validation_samples: int = 0
-    max_test_samples: int = 0
-    deduplicate: bool = False  # drop repeated texts (first kept)
-    unescape_newlines: bool = True  # the literal two characters \n become newlines
-    seed: int = 0
-    extra: dict = field(default_factory=dict)  # recorded in metadata as is
+    tokenizer: str = field(metadata={"help": "model folder or hub id whose fast tokenizer is used"})
+    source: str = _f("Yelp/yelp_review_full", "hub dataset id, a file, a folder, or an fsspec URI")
+    revision: str | None = _f(None, "hub revision (branch, tag or commit)")
+    train_split: str = _f("train", 'split spec, e.g. "train" or "train[:1%]"')
+    validation_split: str = _f("", "split spec of the validation data; empty: carved out of train")
+    test_split: str = _f("test", "split spec of the test data (a single-file source: carved out)")
+    text_column: str = _f("text", "column holding the review text")
+    label_column: str = _f("label", "column holding the label")
+    label_mapping: str = _f("auto", "auto | a JSON object {raw label: id}")
+    num_labels: int = _f(0, "0: inferred; else labels must lie in 0..num_labels-1 after mapping")
+    max_length: int = _f(256, "truncation length in tokens, [CLS] and [SEP] included")
+    validation_fraction: float = _f(0.1, "share of train carved out as validation")
+    test_fraction: float = _f(0.1, "share carved out as test when the source has no test split")
+    max_train_samples: int = _f(0, "stratified cap on train rows; 0: no cap")
+    max_validation_samples: int = _f(0, "stratified cap on validation rows; 0: no cap")
+    max_test_samples: int = _f(0, "stratified cap on test rows; 0: no cap")
+    deduplicate: bool = _f(False, "drop repeated texts (first kept)")
+    unescape_newlines: bool = _f(True, "the literal two characters \\n become newlines")
+    seed: int = _f(0, "seed of the splits and caps")
+    extra: dict = field(default_factory=dict)  # recorded in metadata as is (no flag)
 
     def __post_init__(self):
         self.tokenizer, self.source = str(self.tokenizer), str(self.source)
@@ -333,9 +334,6 @@ def prepare_yelp(cfg: PrepareConfig, out_dir: str | Path, progress: bool = True)
 
     The folder appears only when complete: it is built beside `out_dir` and renamed into place.
     """
-    import datasets
-
-    out_dir = Path(out_dir)
     try:
         tok = load_tokenizer(cfg.tokenizer, cfg.max_length)
     except TokenizerError as err:
@@ -345,74 +343,15 @@ def prepare_yelp(cfg: PrepareConfig, out_dir: str | Path, progress: bool = True)
     dropped: dict[str, int] = {}
     cleaned = {split: _clean(df, cfg, dropped) for split, df in frames.items()}
     for split, df in cleaned.items():
-        if len(df) == 0:
-            raise PrepareError(
-                f"source: nothing is left of the {split} data after cleaning "
-                f"(dropped: {dropped or 'none'})"
-            )
-    raw = pd.concat([df["raw_label"] for df in cleaned.values()])
-    mapping, label_names = build_label_mapping(raw, cfg, class_names)
-    num_labels = cfg.num_labels or len(label_names)
-    for split, df in cleaned.items():
-        ids = df["raw_label"].map(mapping).to_numpy(dtype=np.int64)
-        bad = (ids < 0) | (ids >= num_labels)
-        if bad.any():
-            raise PrepareError(
-                f"num_labels: {split} has labels outside 0..{num_labels - 1} "
-                f"(raw {sorted(set(df['raw_label'][bad]))[:5]})"
-            )
-        df["label"] = ids
-    if len(label_names) < num_labels:
-        label_names += [str(i) for i in range(len(label_names), num_labels)]
-
-    rng = np.random.default_rng(cfg.seed)
-    if "all" in cleaned:
-        df = cleaned.pop("all")
-        keep, test = stratified_split(df["label"].to_numpy(), cfg.test_fraction, rng)
-        cleaned["train"], cleaned["test"] = df.iloc[keep], df.iloc[test]
-    if "validation" not in cleaned:
-        df = cleaned["train"]
-        keep, val = stratified_split(df["label"].to_numpy(), cfg.validation_fraction, rng)
-        cleaned["train"], cleaned["validation"] = df.iloc[keep], df.iloc[val]
-    if "test" not in cleaned:
-        df = cleaned["train"]
-        keep, test = stratified_split(df["label"].to_numpy(), cfg.test_fraction, rng)
-        cleaned["train"], cleaned["test"] = df.iloc[keep], df.iloc[test]
-    caps = {
-        "train": cfg.max_train_samples,
-        "validation": cfg.max_validation_samples,
-        "test": cfg.max_test_samples,
-    }
-    for split in SPLITS:
-        df = cleaned[split]
-        df = df.iloc[stratified_cap(df["label"].to_numpy(), caps[split], rng)]
-        if len(df) == 0:
-            raise PrepareError(
-                f"source: nothing is left of the {split} split after cleaning "
-                f"(dropped: {dropped or 'none'})"
-            )
-        cleaned[split] = df.reset_index(drop=True)
-
+        _check_not_empty(df, split, dropped)
+    mapping, label_names, num_labels = _assign_labels(cleaned, cfg, class_names)
+    splits = _split_and_cap(cleaned, cfg, dropped)
     tables, stats = {}, {}
     for split in SPLITS:
-        df = cleaned[split]
-        texts = df["text"].tolist()
-        values, offsets, truncated = tokenize(texts, tok, progress)
-        labels = df["label"].to_numpy()
-        tables[split] = _arrow_table(values, offsets, labels, texts if split == "test" else None)
-        lengths = np.diff(offsets)
-        stats[split] = {
-            "rows": len(df),
-            "class_counts": np.bincount(labels, minlength=num_labels).tolist(),
-            "length_mean": float(lengths.mean()),
-            "length_percentiles": {f"p{q}": float(np.percentile(lengths, q)) for q in (50, 90, 99)},
-            "length_max": int(lengths.max()),
-            "truncation_rate": float(truncated.mean()),
-            "length_histogram": np.histogram(lengths, bins=32, range=(0, cfg.max_length))[
-                0
-            ].tolist(),
-        }
-
+        tables[split], stats[split] = _tokenize_split(splits[split], split, tok, cfg, progress)
+        stats[split]["class_counts"] = np.bincount(
+            splits[split]["label"].to_numpy(), minlength=num_labels
+        ).tolist()
     metadata = {
         "format": "kubejax.tokenized.v1",
         "num_labels": num_labels,
@@ -427,6 +366,89 @@ def prepare_yelp(cfg: PrepareConfig, out_dir: str | Path, progress: bool = True)
         "revision": cfg.revision,
         "config": asdict(cfg),
     }
+    _write_atomically(tables, metadata, Path(out_dir), progress)
+    return metadata
+
+
+def _check_not_empty(df: pd.DataFrame, split: str, dropped: dict) -> None:
+    if len(df) == 0:
+        raise PrepareError(
+            f"source: nothing is left of the {split} data after cleaning "
+            f"(dropped: {dropped or 'none'})"
+        )
+
+
+def _assign_labels(cleaned: dict, cfg: PrepareConfig, class_names) -> tuple[dict, list, int]:
+    """Map every split's raw labels to ids in place; the mapping, names and label count."""
+    raw = pd.concat([df["raw_label"] for df in cleaned.values()])
+    mapping, label_names = build_label_mapping(raw, cfg, class_names)
+    num_labels = cfg.num_labels or len(label_names)
+    for split, df in cleaned.items():
+        ids = df["raw_label"].map(mapping).to_numpy(dtype=np.int64)
+        bad = (ids < 0) | (ids >= num_labels)
+        if bad.any():
+            raise PrepareError(
+                f"num_labels: {split} has labels outside 0..{num_labels - 1} "
+                f"(raw {sorted(set(df['raw_label'][bad]))[:5]})"
+            )
+        df["label"] = ids
+    label_names = list(label_names) + [str(i) for i in range(len(label_names), num_labels)]
+    return mapping, label_names, num_labels
+
+
+def _split_and_cap(cleaned: dict, cfg: PrepareConfig, dropped: dict) -> dict[str, pd.DataFrame]:
+    """Train, validation and test: carved out where the source lacks them (stratified), then
+    capped to the max_*_samples settings keeping the class balance."""
+    rng = np.random.default_rng(cfg.seed)
+    cleaned = dict(cleaned)
+
+    def carve(name: str, fraction: float, source: str) -> None:
+        df = cleaned.pop(source)
+        keep, part = stratified_split(df["label"].to_numpy(), fraction, rng)
+        cleaned["train"], cleaned[name] = df.iloc[keep], df.iloc[part]
+
+    if "all" in cleaned:
+        carve("test", cfg.test_fraction, "all")
+    if "validation" not in cleaned:
+        carve("validation", cfg.validation_fraction, "train")
+    if "test" not in cleaned:
+        carve("test", cfg.test_fraction, "train")
+    caps = {
+        "train": cfg.max_train_samples,
+        "validation": cfg.max_validation_samples,
+        "test": cfg.max_test_samples,
+    }
+    out = {}
+    for split in SPLITS:
+        df = cleaned[split]
+        df = df.iloc[stratified_cap(df["label"].to_numpy(), caps[split], rng)]
+        _check_not_empty(df, split, dropped)
+        out[split] = df.reset_index(drop=True)
+    return out
+
+
+def _tokenize_split(df: pd.DataFrame, split: str, tok, cfg: PrepareConfig, progress: bool):
+    """One split's Arrow table and its length statistics (texts kept for the test split)."""
+    texts = df["text"].tolist()
+    values, offsets, truncated = tokenize(texts, tok, progress)
+    labels = df["label"].to_numpy()
+    table = _arrow_table(values, offsets, labels, texts if split == "test" else None)
+    lengths = np.diff(offsets)
+    stats = {
+        "rows": len(df),
+        "length_mean": float(lengths.mean()),
+        "length_percentiles": {f"p{q}": float(np.percentile(lengths, q)) for q in (50, 90, 99)},
+        "length_max": int(lengths.max()),
+        "truncation_rate": float(truncated.mean()),
+        "length_histogram": np.histogram(lengths, bins=32, range=(0, cfg.max_length))[0].tolist(),
+    }
+    return table, stats
+
+
+def _write_atomically(tables: dict, metadata: dict, out_dir: Path, progress: bool) -> None:
+    """Build the dataset folder beside `out_dir` and rename it into place when complete."""
+    import datasets
+
     out_dir.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.", dir=out_dir.parent))
     try:
@@ -444,7 +466,6 @@ def prepare_yelp(cfg: PrepareConfig, out_dir: str | Path, progress: bool = True)
         os.replace(tmp, out_dir)
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
-    return metadata
 
 
 def write_report(metadata: dict, path: str | Path) -> None:

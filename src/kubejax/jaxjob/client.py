@@ -19,6 +19,7 @@ from __future__ import annotations
 import os
 from collections.abc import Callable, Iterator
 
+from kubejax.jaxjob.backend import Backend
 from kubejax.jaxjob.spec import JAXJobSpec
 from kubejax.jaxjob.types import (  # noqa: F401  (re-exported: callers import them from here)
     CONDITION_TYPES,
@@ -94,46 +95,46 @@ class JAXJobClient:
     """Create, watch, read and delete JAXJobs on the chosen backend."""
 
     def __init__(self, backend: str = "auto", **backend_options):
-        engine = resolve_engine(backend, backend_options.get("client_configuration"))
-        self.backend_name = engine
-        if engine == "trainjob":
+        self.engine = resolve_engine(backend, backend_options.get("client_configuration"))
+        self._backend: Backend
+        if self.engine == "trainjob":
             from kubejax.jaxjob.trainjob_backend import TrainJobBackend
 
-            self.backend = TrainJobBackend(**backend_options)
-        elif engine == "jaxjob":
+            self._backend = TrainJobBackend(**backend_options)
+        elif self.engine == "jaxjob":
             from kubejax.jaxjob.kubernetes import KubernetesBackend
 
-            self.backend = KubernetesBackend(**backend_options)
+            self._backend = KubernetesBackend(**backend_options)
         else:
             from kubejax.jaxjob.local import LocalBackend
 
-            self.backend = LocalBackend(**backend_options)
+            self._backend = LocalBackend(**backend_options)
 
     @property
     def on_cluster(self) -> bool:
         """True when jobs run on Kubernetes (their pods read data from the workspace)."""
-        return self.backend_name in CLUSTER_ENGINES
+        return self.engine in CLUSTER_ENGINES
 
     @property
     def kind(self) -> str:
         """The kind of job this client creates, for messages."""
-        return "TrainJob" if self.backend_name == "trainjob" else "JAXJob"
+        return "TrainJob" if self.engine == "trainjob" else "JAXJob"
 
     def failure_log(self, name: str) -> str:
         """The last log lines of the job's failed worker (else of worker 0)."""
-        return self.backend.log_tail(name)
+        return self._backend.failure_log(name)
 
     def create_job(self, spec: JAXJobSpec) -> str:
         """Create the job; if one of that name exists already, attach to it. Returns the name."""
-        return self.backend.create_job(spec)
+        return self._backend.create_job(spec)
 
     def get_job(self, name: str) -> JobStatus:
         """The job's current conditions and replica statuses."""
-        return self.backend.get_job(name)
+        return self._backend.get_job(name)
 
     def list_jobs(self) -> list[JobStatus]:
         """Every job this backend knows of (on kubernetes: in the namespace)."""
-        return self.backend.list_jobs()
+        return self._backend.list_jobs()
 
     def wait_for_job_status(
         self,
@@ -144,14 +145,18 @@ class JAXJobClient:
         callback: Callable[[JobStatus], None] | None = None,
     ) -> JobStatus:
         """Poll until the job's state is in `status`; TimeoutError after `timeout` seconds."""
-        return self.backend.wait_for_job_status(
+        return self._backend.wait_for_job_status(
             name, set(status), timeout, polling_interval, callback
         )
 
     def get_job_logs(self, name: str, follow: bool = False, worker: int = 0) -> Iterator[str]:
         """Log lines of one worker (default 0); with `follow`, until it ends."""
-        return self.backend.get_job_logs(name, follow=follow, worker=worker)
+        return self._backend.get_job_logs(name, follow=follow, worker=worker)
 
     def delete_job(self, name: str) -> None:
         """Delete the job and its workers."""
-        self.backend.delete_job(name)
+        self._backend.delete_job(name)
+
+    def close(self) -> None:
+        """Release the backend (the local one stops every job it started)."""
+        self._backend.close()

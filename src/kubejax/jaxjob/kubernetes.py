@@ -14,6 +14,7 @@ import time
 from collections.abc import Iterator
 from pathlib import Path
 
+from kubejax.jaxjob.backend import Backend
 from kubejax.jaxjob.spec import API_VERSION, KIND, PLURAL, JAXJobSpec, build_manifest
 from kubejax.jaxjob.types import JobStatus
 
@@ -73,7 +74,7 @@ class _Response:
         self.data = json.dumps(obj)
 
 
-class KubernetesBackend:
+class KubernetesBackend(Backend):
     """JAXJobs on a cluster with the Kubeflow Training Operator (v1.9 or later)."""
 
     def __init__(
@@ -197,11 +198,10 @@ class KubernetesBackend:
             raise
         yield from text.splitlines()
 
-    def log_tail(self, name: str, worker: int = 0, lines: int = 40) -> str:
-        """The last log lines of the first failed worker (else of `worker`)."""
+    def failure_log(self, name: str, lines: int = 40) -> str:
         from kubernetes.client.rest import ApiException
 
-        pod = self._worker_pod(name, worker)
+        pod = self._worker_pod(name, 0)
         try:
             pods = self.sdk.core_api.list_namespaced_pod(
                 self.namespace, label_selector=f"training.kubeflow.org/job-name={name}"

@@ -27,6 +27,7 @@ from collections.abc import Callable, Iterator
 from datetime import UTC, datetime
 from pathlib import Path
 
+from kubejax.jaxjob.backend import Backend
 from kubejax.jaxjob.spec import JAXJobSpec
 from kubejax.jaxjob.types import (
     CREATED,
@@ -35,7 +36,6 @@ from kubejax.jaxjob.types import (
     RUNNING,
     SUCCEEDED,
     JobStatus,
-    poll_until,
 )
 
 _STOP_GRACE_SECONDS = 5.0
@@ -88,6 +88,7 @@ class _LocalJob:
         self.procs: list[subprocess.Popen] = []
         self.readers: list[threading.Thread] = []
         self.restarts = 0
+        self.failed_worker: int | None = None  # the worker whose exit failed the group last
         self.tails = [collections.deque(maxlen=_LOG_TAIL) for _ in range(spec.replicas)]
         self.lock = threading.Lock()
         self.deleted = threading.Event()
@@ -221,6 +222,7 @@ class _LocalJob:
             failed = [(i, c) for i, c in enumerate(codes) if c not in (None, 0)]
             if failed:
                 index, code = failed[0]
+                self.failed_worker = index
                 self.stop_all()
                 msg = f"worker {index} exited with code {code}"
                 if self._retryable(code) and self.restarts < backoff:
@@ -263,7 +265,7 @@ class _LocalJob:
 LOG_DIR_ENV = "KUBEJAX_LOCAL_JOB_LOGS"
 
 
-class LocalBackend:
+class LocalBackend(Backend):
     """JAXJobs as local process groups; logs under `log_root/<job name>/worker-<i>.log`."""
 
     def __init__(
@@ -304,9 +306,6 @@ class LocalBackend:
     def list_jobs(self) -> list[JobStatus]:
         return [j.status() for j in self.jobs.values() if not j.deleted.is_set()]
 
-    def wait_for_job_status(self, name, status, timeout, polling_interval, callback=None):
-        return poll_until(lambda: self.get_job(name), status, timeout, polling_interval, callback)
-
     def get_job_logs(self, name: str, follow: bool = False, worker: int = 0) -> Iterator[str]:
         job = self._job(name)
         path = job.log_dir / f"worker-{worker}.log"
@@ -326,9 +325,11 @@ class LocalBackend:
                     yield from rest.splitlines()
                     return
 
-    def log_tail(self, name: str, worker: int = 0) -> str:
-        """The last lines a worker printed."""
-        return "\n".join(self._job(name).tails[worker])
+    def failure_log(self, name: str, lines: int = 40) -> str:
+        job = self._job(name)
+        worker = job.failed_worker or 0
+        tail = list(job.tails[worker])[-lines:]
+        return f"[{job.spec.name}-worker-{worker}]\n" + "\n".join(tail) if tail else ""
 
     def worker_pids(self, name: str) -> list[int]:
         """Process ids of the current workers of a job."""

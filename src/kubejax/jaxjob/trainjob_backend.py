@@ -12,6 +12,7 @@ from __future__ import annotations
 import time
 from collections.abc import Iterator
 
+from kubejax.jaxjob.backend import Backend
 from kubejax.jaxjob.kubernetes import api_client, default_namespace, stream_lines
 from kubejax.jaxjob.spec import JAXJobSpec
 from kubejax.jaxjob.trainjob import (
@@ -23,7 +24,7 @@ from kubejax.jaxjob.trainjob import (
     RUNTIME,
     build_trainjob_manifest,
 )
-from kubejax.jaxjob.types import FAILED, RUNNING, SUCCEEDED, SUSPENDED, JobStatus, poll_until
+from kubejax.jaxjob.types import FAILED, RUNNING, SUCCEEDED, SUSPENDED, JobStatus
 
 VERSION = API_VERSION.split("/")[1]
 _NOT_FOUND, _CONFLICT = 404, 409
@@ -52,7 +53,7 @@ def trainjob_status(obj: dict) -> JobStatus:
     return JobStatus(obj["metadata"]["name"], conditions, replicas)
 
 
-class TrainJobBackend:
+class TrainJobBackend(Backend):
     """TrainJobs on a cluster with Kubeflow Trainer v2.2+ and its `jax-distributed` runtime."""
 
     def __init__(
@@ -130,9 +131,6 @@ class TrainJobBackend:
         ).get("items", [])
         return [trainjob_status(o) for o in items]
 
-    def wait_for_job_status(self, name, status, timeout, polling_interval, callback=None):
-        return poll_until(lambda: self.get_job(name), status, timeout, polling_interval, callback)
-
     def _pods(self, name: str) -> list:
         pods = self.core.list_namespaced_pod(
             self.namespace, label_selector=f"{POD_JOB_LABEL}={name}"
@@ -171,14 +169,13 @@ class TrainJobBackend:
         )
         yield from stream_lines(resp)
 
-    def log_tail(self, name: str, worker: int = 0, lines: int = 40) -> str:
-        """The last log lines of the first failed node (else of node `worker`)."""
+    def failure_log(self, name: str, lines: int = 40) -> str:
         from kubernetes.client.rest import ApiException
 
         try:
             pods = self._pods(name)
             failed = [p for p in pods if p.status.phase == "Failed"]
-            pod = failed[0] if failed else self._node_pod(name, worker)
+            pod = failed[0] if failed else self._node_pod(name, 0)
             if pod is None:
                 return ""
             text = self.core.read_namespaced_pod_log(

@@ -5,13 +5,13 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
-import os
-import types
-import typing
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 
 from kubejax.errors import KubejaxError
+from kubejax.flags import add_flags
+from kubejax.flags import setting as _f
+from kubejax.tracking import resolve_uri
 
 SCHEDULES = ("linear", "cosine", "constant")
 DTYPES = ("float32", "bfloat16")
@@ -19,10 +19,6 @@ DTYPES = ("float32", "bfloat16")
 
 class ConfigError(KubejaxError, ValueError):
     """A bad trainer setting; the message starts with the setting's name."""
-
-
-def _f(default, help: str, **kw):
-    return field(default=default, metadata={"help": help, **kw})
 
 
 @dataclass
@@ -155,31 +151,16 @@ class TrainConfig:
     @property
     def tracking_uri(self) -> str:
         """The MLflow tracking URI in effect ('' = no tracking)."""
-        return self.mlflow_tracking_uri or os.environ.get("MLFLOW_TRACKING_URI", "")
+        return resolve_uri(self.mlflow_tracking_uri)
 
     def to_dict(self) -> dict:
         return dataclasses.asdict(self)
 
 
-def _base_type(tp):
-    if isinstance(tp, types.UnionType) or typing.get_origin(tp) is typing.Union:
-        return next(a for a in typing.get_args(tp) if a is not type(None))
-    return tp
-
-
 def parser(prog: str = "python -m kubejax.trainer") -> argparse.ArgumentParser:
     """An argparse parser with one --flag per TrainConfig field."""
     p = argparse.ArgumentParser(prog=prog, description="Fine-tune a BERT classifier with JAX.")
-    hints = typing.get_type_hints(TrainConfig)
-    for f in dataclasses.fields(TrainConfig):
-        tp = _base_type(hints[f.name])
-        p.add_argument(
-            "--" + f.name.replace("_", "-"),
-            dest=f.name,
-            type=tp,
-            default=f.default,
-            help=f.metadata["help"] + f" (default: {f.default!r})",
-        )
+    add_flags(p, TrainConfig)
     return p
 
 

@@ -20,6 +20,7 @@ import math
 import os
 import sys
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 import jax
@@ -155,55 +156,24 @@ def evaluate_split(eval_step, params, split, cfg: TrainConfig, mesh) -> dict:
 
 
 # ---------------------------------------------------------------------------------------------
-# Outputs
+# Data
 
 
-def _write_json(path: Path, data: dict) -> None:
-    tmp = path.with_suffix(".tmp")
-    tmp.write_text(json.dumps(data, indent=1))
-    os.replace(tmp, path)
+@dataclass
+class TrainData:
+    """The splits the loop reads and what follows from them."""
+
+    train: dataset.TokenizedSplit
+    val: dataset.TokenizedSplit
+    meta: dict
+    num_labels: int
+    total_steps: int
+    label_names: list[str]
 
 
-def _host_params(params):
-    """Replicated global arrays → host NumPy (works on any process)."""
-    return jax.tree.map(lambda a: np.asarray(a.addressable_data(0)), params)
-
-
-def _check_output_dir(path: Path) -> None:
-    try:
-        path.mkdir(parents=True, exist_ok=True)
-        probe = path / f".write-test-{os.getpid()}"
-        probe.write_text("")
-        probe.unlink()
-    except OSError as err:
-        raise ConfigError(f"output_dir: {path} is not writable ({err.strerror})") from err
-
-
-def _eta(seconds: float) -> str:
-    seconds = int(max(seconds, 0))
-    return (
-        f"{seconds // 3600}h{seconds % 3600 // 60:02d}m"
-        if seconds >= 3600
-        else (f"{seconds // 60}m{seconds % 60:02d}s")
-    )
-
-
-# ---------------------------------------------------------------------------------------------
-# The loop
-
-
-def train_and_evaluate(cfg: TrainConfig) -> dict:
-    """Train per `cfg`, resuming from the latest checkpoint in output_dir; return final metrics."""
-    cfg.validate()
-    penv = distributed.initialize(timeout_s=cfg.coordinator_timeout)
-    is_main = jax.process_index() == 0
-    mesh = distributed.data_mesh()
-    cfg.check_process_count(jax.device_count())
-    out = Path(cfg.output_dir)
-    _check_output_dir(out)
-    sampler = monitoring.ResourceSampler().start()
-
-    # Data: every process reads the lengths of all rows to plan identical batches.
+def load_data(cfg: TrainConfig) -> TrainData:
+    """Read the prepared splits (every process reads the lengths of all rows, to plan identical
+    batches) and check them against the settings."""
     try:
         meta = dataset.read_metadata(cfg.data_dir)
         train = dataset.load_split(cfg.data_dir, "train")
@@ -221,99 +191,40 @@ def train_and_evaluate(cfg: TrainConfig) -> dict:
         raise ConfigError(
             f"global_batch_size: {cfg.global_batch_size} exceeds the {len(train)} training rows"
         )
-    total_steps = cfg.max_steps or math.ceil(cfg.epochs * steps_per_epoch)
     label_names = list(meta.get("label_names") or [str(i) for i in range(num_labels)])
     label_names += [str(i) for i in range(len(label_names), num_labels)]
-
-    # Model, optimizer, state on the mesh.
-    model, tokenizer_dir, fresh = build_model(cfg, num_labels)
-    graphdef, params = nnx.split(model)
-    # The schedule, computed once on the host: each step gets its learning rate as an input
-    # (see make_optimizer), and evaluating it during the loop would stall the host.
-    host_lr = np.asarray(
-        jax.vmap(make_schedule(cfg, total_steps))(jnp.arange(total_steps + 1)), np.float32
+    return TrainData(
+        train=train,
+        val=val,
+        meta=meta,
+        num_labels=num_labels,
+        total_steps=cfg.max_steps or math.ceil(cfg.epochs * steps_per_epoch),
+        label_names=label_names,
     )
-    tx = make_optimizer(cfg)
-    params = distributed.replicate(params, mesh)
-    opt_state = jax.jit(tx.init, out_shardings=distributed.replicated(mesh))(params)
 
-    ckpt = Checkpointer(out, cfg.keep_checkpoints)
-    start_step, history = 0, {"train": [], "evals": []}
+
+def host_learning_rates(cfg: TrainConfig, total_steps: int) -> np.ndarray:
+    """The schedule, computed once on the host: each step gets its learning rate as an input
+    (see make_optimizer), and evaluating it during the loop would stall the host."""
+    schedule = jax.vmap(make_schedule(cfg, total_steps))
+    return np.asarray(schedule(jnp.arange(total_steps + 1)), np.float32)
+
+
+def restore_latest(ckpt: Checkpointer, params, opt_state):
+    """The state of the latest checkpoint, if any: params, optimizer state, the step to go on
+    from and the metric history so far."""
     latest = ckpt.latest_step()
-    if latest is not None:
-        state, saved = ckpt.restore(latest, {"params": params, "opt_state": opt_state})
-        params, opt_state = state["params"], state["opt_state"]
-        start_step, history = saved["step"], saved.get("history", history)
+    if latest is None:
+        return params, opt_state, 0, {"train": [], "evals": []}
+    state, saved = ckpt.restore(latest, {"params": params, "opt_state": opt_state})
+    history = saved.get("history", {"train": [], "evals": []})
+    return state["params"], state["opt_state"], saved["step"], history
 
-    tracker = tracking.Tracker()
-    system_monitor = None
-    if is_main:
-        tracker = tracking.create_tracker(
-            cfg.tracking_uri,
-            cfg.mlflow_experiment,
-            run_name=cfg.mlflow_run_name or None,
-            run_id=cfg.mlflow_run_id or None,
-            parent_run_id=cfg.mlflow_parent_run_id or None,
-            tags=tracking.kfp_tags(tracking.parse_tags(cfg.mlflow_tags)),
-        )
-        if latest is None:
-            tracker.log_params(
-                {
-                    **cfg.to_dict(),
-                    "num_labels": num_labels,
-                    "total_steps": total_steps,
-                    "num_processes": jax.process_count(),
-                    "num_devices": jax.device_count(),
-                    "train_rows": len(train),
-                }
-            )
-        system_monitor = tracker.start_system_metrics("worker-0")
-        print(
-            f"kubejax trainer: {jax.process_count()} process(es), {jax.device_count()} "
-            f"{jax.devices()[0].platform} device(s); {len(train)} train rows, {total_steps} steps"
-            + (f"; resumed at step {start_step}" if latest is not None else "")
-            + (f"; freshly initialised: {', '.join(fresh)}" if fresh else ""),
-            flush=True,
-        )
 
-    train_step = make_train_step(graphdef, tx, mesh, cfg.seed)
-    eval_step = make_eval_step(graphdef, mesh)
-
-    def write_metrics(status: str, step: int, final: dict | None = None) -> None:
-        if is_main:
-            data = {
-                "status": status,
-                "step": step,
-                "total_steps": total_steps,
-                "mlflow_run_id": tracker.run_id or "",
-                **history,
-            }
-            if final is not None:
-                data["final"] = final
-            _write_json(out / METRICS_FILE, data)
-
-    def run_eval(step: int) -> dict:
-        result = {"step": step, **evaluate_split(eval_step, params, val, cfg, mesh)}
-        history["evals"].append(result)
-        tracker.log_metrics({k: v for k, v in result.items() if k != "step"}, step=step)
-        write_metrics("running", step)
-        if is_main:
-            print(
-                f"eval step {step}: loss {result['eval_loss']:.4f} "
-                f"accuracy {result['eval_accuracy']:.4f}",
-                flush=True,
-            )
-        return result
-
-    def save(step: int) -> None:
-        ckpt.save(
-            step,
-            {"params": params, "opt_state": opt_state},
-            {"step": step, "seed": cfg.seed, "history": history, "config": cfg.to_dict()},
-        )
-
-    batches = dataset.train_batches(
-        train,
+def train_batches(cfg: TrainConfig, data: TrainData, start_step: int):
+    """This process's share of every step's batch, from `start_step` on."""
+    return dataset.train_batches(
+        data.train,
         global_batch=cfg.global_batch_size,
         accum_steps=cfg.grad_accum_steps,
         process_index=jax.process_index(),
@@ -323,111 +234,274 @@ def train_and_evaluate(cfg: TrainConfig) -> dict:
         bucket_multiple=cfg.bucket_multiple,
         max_length=cfg.max_length,
     )
-    t_start = time.monotonic()
-    window = {"t": time.monotonic(), "examples": 0, "tokens": 0.0, "steps": 0}
-    pending = None  # the previous step's metrics, read after the next step is dispatched
 
-    def report_step(step: int, metrics) -> None:
+
+# ---------------------------------------------------------------------------------------------
+# Outputs
+
+
+def _write_json(path: Path, data: dict) -> None:
+    tmp = path.with_suffix(".tmp")
+    tmp.write_text(json.dumps(data, indent=1))
+    os.replace(tmp, path)
+
+
+def _host_params(params):
+    """Replicated global arrays → host NumPy (works on any process)."""
+    return jax.tree.map(lambda a: np.asarray(a.addressable_data(0)), params)
+
+
+def _writable_dir(path: Path) -> Path:
+    try:
+        path.mkdir(parents=True, exist_ok=True)
+        probe = path / f".write-test-{os.getpid()}"
+        probe.write_text("")
+        probe.unlink()
+    except OSError as err:
+        raise ConfigError(f"output_dir: {path} is not writable ({err.strerror})") from err
+    return path
+
+
+def _eta(seconds: float) -> str:
+    seconds = int(max(seconds, 0))
+    return (
+        f"{seconds // 3600}h{seconds % 3600 // 60:02d}m"
+        if seconds >= 3600
+        else (f"{seconds // 60}m{seconds % 60:02d}s")
+    )
+
+
+def _mean_after_first(rows: list[dict], key: str) -> float:
+    """Mean of a throughput column, leaving out the first window (it holds the compilation)."""
+    values = [r[key] for r in rows[1:]] or [r[key] for r in rows] or [0.0]
+    return float(np.mean(values))
+
+
+def start_tracker(cfg: TrainConfig, data: TrainData, resumed: bool) -> tracking.Tracker:
+    """Process 0's MLflow run (a no-op tracker on the other processes); parameters are logged
+    once, by the attempt that starts the run."""
+    if jax.process_index() != 0:
+        return tracking.Tracker()
+    tracker = tracking.create_tracker(
+        cfg.tracking_uri,
+        cfg.mlflow_experiment,
+        run_name=cfg.mlflow_run_name or None,
+        run_id=cfg.mlflow_run_id or None,
+        parent_run_id=cfg.mlflow_parent_run_id or None,
+        tags=tracking.kfp_tags(tracking.parse_tags(cfg.mlflow_tags)),
+    )
+    if not resumed:
+        tracker.log_params(
+            {
+                **cfg.to_dict(),
+                "num_labels": data.num_labels,
+                "total_steps": data.total_steps,
+                "num_processes": jax.process_count(),
+                "num_devices": jax.device_count(),
+                "train_rows": len(data.train),
+            }
+        )
+    return tracker
+
+
+class Progress:
+    """Where the loop's figures go: the history (kept in checkpoints), MLflow, metrics.json
+    (which the launcher and the sweep read) and the console, with a throughput window.
+
+    A step's metrics are read one step late (`dispatched`), so that reading them never waits
+    for the device while the next step could already be running.
+    """
+
+    def __init__(self, cfg, out: Path, tracker, total_steps: int, host_lr, history: dict):
+        self.cfg, self.out, self.tracker = cfg, out, tracker
+        self.total_steps, self.host_lr, self.history = total_steps, host_lr, history
+        self.is_main = jax.process_index() == 0
+        self.pending = None
+        self.window = {"t": time.monotonic(), "examples": 0, "tokens": 0.0, "steps": 0}
+
+    def say(self, text: str) -> None:
+        if self.is_main:
+            print(text, flush=True)
+
+    def dispatched(self, step: int, metrics) -> None:
+        """Record the previous step's metrics, keep this step's for later."""
+        self.flush()
+        self.pending = (step, metrics)
+
+    def flush(self) -> None:
+        """Record the step whose metrics are still pending."""
+        if self.pending is not None:
+            self._record(*self.pending)
+            self.pending = None
+
+    def _record(self, step: int, metrics) -> None:
         m = {k: float(v) for k, v in jax.device_get(metrics).items()}
-        window["examples"] += cfg.global_batch_size
-        window["tokens"] += m.pop("tokens")
-        window["steps"] += 1
+        w = self.window
+        w["examples"] += self.cfg.global_batch_size
+        w["tokens"] += m.pop("tokens")
+        w["steps"] += 1
         done = step + 1
-        if done % cfg.log_every and done != total_steps:
+        if done % self.cfg.log_every and done != self.total_steps:
             return
-        dt = max(time.monotonic() - window["t"], 1e-9)
+        dt = max(time.monotonic() - w["t"], 1e-9)
         row = {
             "step": done,
             **m,
-            "learning_rate": float(host_lr[step]),
-            "examples_per_s": window["examples"] / dt,
-            "tokens_per_s": window["tokens"] / dt,
+            "learning_rate": float(self.host_lr[step]),
+            "examples_per_s": w["examples"] / dt,
+            "tokens_per_s": w["tokens"] / dt,
         }
-        history["train"].append(row)
-        tracker.log_metrics({k: v for k, v in row.items() if k != "step"}, step=done)
-        if is_main:
-            eta = (total_steps - done) * dt / window["steps"]
-            print(
-                f"step {done}/{total_steps} | loss {m['loss']:.4f} | lr {row['learning_rate']:.2e}"
-                f" | {row['examples_per_s']:.1f} ex/s | {row['tokens_per_s']:.0f} tok/s"
-                f" | ETA {_eta(eta)}",
-                flush=True,
-            )
-        window.update(t=time.monotonic(), examples=0, tokens=0.0, steps=0)
+        self.history["train"].append(row)
+        self.tracker.log_metrics({k: v for k, v in row.items() if k != "step"}, step=done)
+        eta = (self.total_steps - done) * dt / w["steps"]
+        self.say(
+            f"step {done}/{self.total_steps} | loss {m['loss']:.4f} | lr {row['learning_rate']:.2e}"
+            f" | {row['examples_per_s']:.1f} ex/s | {row['tokens_per_s']:.0f} tok/s"
+            f" | ETA {_eta(eta)}"
+        )
+        w.update(t=time.monotonic(), examples=0, tokens=0.0, steps=0)
 
-    status = "FAILED"
+    def evaluated(self, step: int, result: dict) -> dict:
+        """Record an evaluation of the validation split."""
+        result = {"step": step, **result}
+        self.history["evals"].append(result)
+        self.tracker.log_metrics({k: v for k, v in result.items() if k != "step"}, step=step)
+        self.write("running", step)
+        self.say(
+            f"eval step {step}: loss {result['eval_loss']:.4f} "
+            f"accuracy {result['eval_accuracy']:.4f}"
+        )
+        return result
+
+    def last_eval(self, step: int) -> dict | None:
+        evals = self.history["evals"]
+        return evals[-1] if evals and evals[-1]["step"] == step else None
+
+    def final(self, step: int, final_eval: dict, wall_s: float) -> dict:
+        """The run's final figures (metrics.json's `final`)."""
+        rows = self.history["train"]
+        return {
+            "train_loss": rows[-1]["loss"] if rows else float("nan"),
+            "train_accuracy": rows[-1]["accuracy"] if rows else float("nan"),
+            "eval_loss": final_eval["eval_loss"],
+            "eval_accuracy": final_eval["eval_accuracy"],
+            "examples_per_s": _mean_after_first(rows, "examples_per_s"),
+            "tokens_per_s": _mean_after_first(rows, "tokens_per_s"),
+            "steps": step,
+            "wall_s": wall_s,
+            "num_processes": jax.process_count(),
+        }
+
+    def write(self, status: str, step: int, final: dict | None = None) -> None:
+        """metrics.json, replaced atomically (process 0 only)."""
+        if not self.is_main:
+            return
+        data = {
+            "status": status,
+            "step": step,
+            "total_steps": self.total_steps,
+            "mlflow_run_id": self.tracker.run_id or "",
+            **self.history,
+        }
+        if final is not None:
+            data["final"] = final
+        _write_json(self.out / METRICS_FILE, data)
+
+
+def export_model(cfg: TrainConfig, graphdef, params, data: TrainData, tokenizer_dir) -> None:
+    """The final model folder (HF layout, tokenizer and labels), written by process 0."""
+    host_model = nnx.merge(graphdef, _host_params(params))
+    weights.save_model_dir(
+        host_model,
+        Path(cfg.output_dir) / MODEL_DIR,
+        data.label_names,
+        tokenizer_dir,
+        max_length=min(cfg.max_length, int(data.meta.get("max_length", cfg.max_length))),
+    )
+
+
+# ---------------------------------------------------------------------------------------------
+# The loop
+
+
+def train_and_evaluate(cfg: TrainConfig) -> dict:
+    """Train per `cfg`, resuming from the latest checkpoint in output_dir; return final metrics."""
+    cfg.validate()
+    penv = distributed.initialize(timeout_s=cfg.coordinator_timeout)
+    mesh = distributed.data_mesh()
+    cfg.check_process_count(jax.device_count())
+    out = _writable_dir(Path(cfg.output_dir))
+    sampler = monitoring.ResourceSampler().start()
+    data = load_data(cfg)
+    total = data.total_steps
+
+    # Model and optimizer, replicated on the mesh; resumed from the latest checkpoint.
+    model, tokenizer_dir, fresh = build_model(cfg, data.num_labels)
+    graphdef, params = nnx.split(model)
+    host_lr = host_learning_rates(cfg, total)
+    tx = make_optimizer(cfg)
+    params = distributed.replicate(params, mesh)
+    opt_state = jax.jit(tx.init, out_shardings=distributed.replicated(mesh))(params)
+    ckpt = Checkpointer(out, cfg.keep_checkpoints)
+    params, opt_state, start_step, history = restore_latest(ckpt, params, opt_state)
+    resumed = ckpt.latest_step() is not None
+
+    tracker = start_tracker(cfg, data, resumed=resumed)
+    system_monitor = tracker.start_system_metrics("worker-0")  # None on processes 1+
+    progress = Progress(cfg, out, tracker, total, host_lr, history)
+    progress.say(
+        f"kubejax trainer: {jax.process_count()} process(es), {jax.device_count()} "
+        f"{jax.devices()[0].platform} device(s); {len(data.train)} train rows, {total} steps"
+        + (f"; resumed at step {start_step}" if resumed else "")
+        + (f"; freshly initialised: {', '.join(fresh)}" if fresh else "")
+    )
+    train_step = make_train_step(graphdef, tx, mesh, cfg.seed)
+    eval_step = make_eval_step(graphdef, mesh)
+
+    def save(step: int) -> None:
+        ckpt.save(
+            step,
+            {"params": params, "opt_state": opt_state},
+            {"step": step, "seed": cfg.seed, "history": history, "config": cfg.to_dict()},
+        )
+
+    batches = train_batches(cfg, data, start_step)
+    t_start, status, step = time.monotonic(), "FAILED", start_step
     try:
-        step = start_step
         for step, local in batches:
-            if step >= total_steps:
+            if step >= total:
                 break
             batch = distributed.global_batch(local, mesh, leading=1)
             params, opt_state, metrics = train_step(params, opt_state, batch, step, host_lr[step])
-            if pending is not None:
-                report_step(*pending)
-            pending = (step, metrics)
+            progress.dispatched(step, metrics)
             done = step + 1
-            if (cfg.eval_every and done % cfg.eval_every == 0) or (
-                cfg.checkpoint_every and done % cfg.checkpoint_every == 0
-            ):
-                report_step(*pending)
-                pending = None
-                if cfg.eval_every and done % cfg.eval_every == 0 and done != total_steps:
-                    run_eval(done)
-                if cfg.checkpoint_every and done % cfg.checkpoint_every == 0:
-                    save(done)
-        if pending is not None:
-            report_step(*pending)
-        final_step = max(start_step, min(step + 1, total_steps)) if total_steps else 0
-        final_eval = (
-            history["evals"][-1]
-            if history["evals"] and history["evals"][-1]["step"] == final_step
-            else run_eval(final_step)
+            eval_due = cfg.eval_every and done % cfg.eval_every == 0 and done != total
+            save_due = cfg.checkpoint_every and done % cfg.checkpoint_every == 0
+            if eval_due or save_due:
+                progress.flush()
+            if eval_due:
+                progress.evaluated(done, evaluate_split(eval_step, params, data.val, cfg, mesh))
+            if save_due:
+                save(done)
+        progress.flush()
+
+        # The end: a last evaluation and checkpoint (unless the loop just made them), the model.
+        final_step = max(start_step, min(step + 1, total)) if total else 0
+        final_eval = progress.last_eval(final_step) or progress.evaluated(
+            final_step, evaluate_split(eval_step, params, data.val, cfg, mesh)
         )
         if ckpt.latest_step() != final_step:
             save(final_step)
         ckpt.wait()
-        train_rows = history["train"]
-        final = {
-            "train_loss": train_rows[-1]["loss"] if train_rows else float("nan"),
-            "train_accuracy": train_rows[-1]["accuracy"] if train_rows else float("nan"),
-            "eval_loss": final_eval["eval_loss"],
-            "eval_accuracy": final_eval["eval_accuracy"],
-            "examples_per_s": float(
-                np.mean(
-                    [r["examples_per_s"] for r in train_rows[1:]]
-                    or [r["examples_per_s"] for r in train_rows]
-                    or [0]
-                )
-            ),
-            "tokens_per_s": float(
-                np.mean(
-                    [r["tokens_per_s"] for r in train_rows[1:]]
-                    or [r["tokens_per_s"] for r in train_rows]
-                    or [0]
-                )
-            ),
-            "steps": final_step,
-            "wall_s": time.monotonic() - t_start,
-            "num_processes": jax.process_count(),
-        }
-        if is_main:
-            final_model = _host_params(params)
-            host_model = nnx.merge(graphdef, final_model)
-            weights.save_model_dir(
-                host_model,
-                out / MODEL_DIR,
-                label_names,
-                tokenizer_dir,
-                max_length=min(cfg.max_length, int(meta.get("max_length", cfg.max_length))),
-            )
+        final = progress.final(final_step, final_eval, time.monotonic() - t_start)
+        if jax.process_index() == 0:
+            export_model(cfg, graphdef, params, data, tokenizer_dir)
             tracker.log_summary({f"final_{k}": v for k, v in final.items()})
-        write_metrics("completed", final_step, final)
+        progress.write("completed", final_step, final)
         status = "FINISHED"
         return final
     finally:
-        summary = sampler.stop()
-        monitoring.write_worker_summary(out, penv.process_id, summary)
+        monitoring.write_worker_summary(out, penv.process_id, sampler.stop())
         if system_monitor is not None:
             system_monitor.finish()
         tracker.finish(status)

@@ -1,0 +1,1 @@
+"""The compiled pipelines and components (`kubejax compile`), shipped as package data."""

@@ -1,0 +1,162 @@
+"""What launching the trainer as a job needs, whoever launches it (the train step, a sweep).
+
+On a cluster the prepared data is copied into the pipeline workspace (a PVC that the task's
+`dsl.TaskConfig` volumes mount in the job's pods too), the job writes checkpoints and the final
+model there, and the launcher copies results back into the task's artifacts. The local backend
+runs the same job as processes on this machine.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import sys
+from pathlib import Path
+from typing import Any
+
+from kubejax import tracking
+from kubejax.flags import to_flags
+from kubejax.jaxjob.client import in_cluster
+from kubejax.jaxjob.spec import JAXJobSpec
+from kubejax.trainer.config import ConfigError, TrainConfig, parser
+
+TRAINER_COMMAND = ["python", "-m", "kubejax.trainer"]
+#: Settings the launcher fills in itself.
+RESERVED = ("data_dir", "output_dir")
+
+
+def trainer_args(params: dict[str, Any]) -> list[str]:
+    """Trainer flags from a mapping of TrainConfig field → value; unknown names are errors."""
+    return to_flags(TrainConfig, params, where="hyperparameters", reserved=RESERVED)
+
+
+def check_hyperparameters(params: dict[str, Any]) -> None:
+    """Validate trainer settings before any job is submitted: a typo such as
+    schedule="cosin" fails here, in the launcher, instead of in every pod."""
+    flags = parser()
+    flags.exit_on_error = False  # a bad value raises instead of exiting the launcher
+    try:
+        values = flags.parse_args(trainer_args({"data_dir": "-", "output_dir": "-", **params}))
+    except argparse.ArgumentError as err:
+        raise ConfigError(f"hyperparameters: {err}") from err
+    TrainConfig(**vars(values)).validate(check_paths=False)
+
+
+def with_mlflow_tags(hyperparameters: dict, tags: dict[str, str]) -> dict:
+    """The settings with `tags` added to the user's own `mlflow_tags` (a JSON object)."""
+    user = json.loads(hyperparameters.get("mlflow_tags") or "{}")
+    return {**hyperparameters, "mlflow_tags": json.dumps({**user, **tags})}
+
+
+def task_config_fields(task_config) -> dict:
+    """Pod settings from a `dsl.TaskConfig` (every field may be None, as under kfp.local)."""
+    if task_config is None:
+        return {}
+    names = (
+        "resources",
+        "env",
+        "volumes",
+        "volume_mounts",
+        "node_selector",
+        "tolerations",
+        "affinity",
+    )
+    out = {name: getattr(task_config, name, None) or None for name in names}
+    return {k: v for k, v in out.items() if v is not None}
+
+
+def build_train_spec(
+    *,
+    name: str,
+    image: str,
+    replicas: int,
+    data_dir: str,
+    output_dir: str,
+    hyperparameters: dict[str, Any],
+    task_config=None,
+    restart_policy: str = "OnFailure",
+    backoff_limit: int = 3,
+    active_deadline_seconds: int | None = None,
+    labels: dict[str, str] | None = None,
+    annotations: dict[str, str] | None = None,
+    extra_env: dict[str, str] | None = None,
+) -> JAXJobSpec:
+    """The job that trains with `hyperparameters` on `data_dir` into `output_dir`."""
+    params = {**hyperparameters, "data_dir": data_dir, "output_dir": output_dir}
+    check_hyperparameters(params)
+    pod = task_config_fields(task_config)
+    env = list(pod.pop("env", []) or [])
+    env += [{"name": k, "value": str(v)} for k, v in (extra_env or {}).items()]
+    return JAXJobSpec(
+        name=name,
+        image=image,
+        command=TRAINER_COMMAND,
+        args=trainer_args(params),
+        replicas=replicas,
+        env=env,
+        restart_policy=restart_policy,
+        backoff_limit=backoff_limit,
+        active_deadline_seconds=active_deadline_seconds,
+        labels=labels or {},
+        annotations=annotations or {},
+        **pod,
+    )
+
+
+def kfp_labels(run_id: str, task: str) -> tuple[dict, dict]:
+    """Labels and annotations that link a job to its KFP run and task."""
+    labels = {"pipelines.kubeflow.org/run-id": run_id[:63]} if run_id else {}
+    annotations = {"kubejax.dev/kfp-run-id": run_id, "kubejax.dev/kfp-task": task}
+    return labels, annotations
+
+
+def copytree(src: Path, dst: Path) -> None:
+    """Copy a folder over whatever `dst` holds."""
+    if dst.exists():
+        shutil.rmtree(dst)
+    shutil.copytree(src, dst)
+
+
+def task_root(workspace: str, name: str, fallback: Path) -> Path:
+    """The folder of one task's job (or study): `<workspace>/kubejax/<name>` when the pipeline
+    has a workspace, else `fallback` (a folder beside the task's outputs)."""
+    root = Path(workspace) / "kubejax" / name if workspace else fallback
+    root.mkdir(parents=True, exist_ok=True)
+    return root
+
+
+def stage_dataset(dataset_path: str | Path, workspace: str, root: Path) -> Path:
+    """Where the job's pods read the prepared dataset: a copy in the workspace (a retried task
+    finds the complete copy of its first attempt and reuses it), or the artifact itself when
+    there is no workspace (local runs)."""
+    if not workspace:
+        return Path(dataset_path)
+    target = root / "data"
+    if not (target / "dataset_dict.json").exists():
+        copytree(Path(dataset_path), target)
+    return target
+
+
+def worker_env(workspace: str, tracking_uri: str) -> dict[str, str]:
+    """Environment of the job's workers: MLflow's, and JAX's persistent compilation cache
+    shared through the workspace (the sweep's trials and the final training compile the same
+    programs once). A cache the task already has (set on the task, or by a local run) is kept:
+    the workers get it too."""
+    env = tracking.worker_env(tracking_uri)
+    if workspace and not os.environ.get("JAX_COMPILATION_CACHE_DIR"):
+        env["JAX_COMPILATION_CACHE_DIR"] = str(Path(workspace) / "kubejax" / "jax-cache")
+        env["JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS"] = "0"
+    return env
+
+
+def is_local(backend: str) -> bool:
+    """True when `backend` runs the job as processes on this machine."""
+    return backend == "local" or (backend == "auto" and not in_cluster())
+
+
+def log_to_stdout(line: str) -> None:
+    """Print a line and flush (KFP shows the task's stdout as its log)."""
+    sys.stdout.write(line + "\n")
+    sys.stdout.flush()

@@ -1,0 +1,234 @@
+"""A sweep whose trials train the kubejax trainer as jobs: the tune-sweep component's work.
+
+outcome = sweep_task(dataset_path, trials_path, report_path, base_model="...",
+                     sweep=SweepConfig(space=...), hyperparameters={...})
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+from kubejax import tracking
+from kubejax.jaxjob.client import JAXJobClient
+from kubejax.jaxjob.spec import JAXJobSpec, job_name
+from kubejax.launchers.common import (
+    build_train_spec,
+    check_hyperparameters,
+    log_to_stdout,
+    stage_dataset,
+    task_root,
+    with_mlflow_tags,
+    worker_env,
+)
+from kubejax.tune.controller import (
+    SweepConfig,
+    SweepResult,
+    TrialSpecFactory,
+    read_metrics,
+    tune,
+)
+from kubejax.tune.report import write_report, write_trials
+from kubejax.tune.space import lowest_point
+from kubejax.version import IMAGE
+
+
+def trainer_trial_spec(
+    *,
+    image: str,
+    replicas: int,
+    data_dir: str,
+    hyperparameters: dict,
+    parent_run_id: str = "",
+    task_config=None,
+    trial_timeout: float = 3600.0,
+    extra_env: dict[str, str] | None = None,
+) -> TrialSpecFactory:
+    """Trial jobs that train with the fixed `hyperparameters` plus the trial's params."""
+
+    def make(number: int, params: dict, output_dir: str, name: str) -> JAXJobSpec:
+        hp = {**hyperparameters, **params, "mlflow_run_name": f"trial-{number}"}
+        if parent_run_id:
+            hp["mlflow_parent_run_id"] = parent_run_id
+        hp = with_mlflow_tags(hp, {"kubejax.trial": str(number), "kubejax.jaxjob": name})
+        return build_train_spec(
+            name=name,
+            image=image,
+            replicas=replicas,
+            data_dir=data_dir,
+            output_dir=output_dir,
+            hyperparameters=hp,
+            task_config=task_config,
+            restart_policy="Never",
+            backoff_limit=0,
+            active_deadline_seconds=int(trial_timeout),
+            labels={"kubejax.dev/sweep": "true"},
+            extra_env=extra_env,
+        )
+
+    return make
+
+
+def sweep_with_jaxjobs(
+    cfg: SweepConfig,
+    *,
+    data_dir: str,
+    trials_root: str,
+    hyperparameters: dict,
+    image: str = IMAGE,
+    replicas: int = 1,
+    backend: str = "auto",
+    task_config=None,
+    mlflow_tracking_uri: str = "",
+    mlflow_experiment: str = "kubejax",
+    tags: dict | None = None,
+    workspace: str = "",
+    log: Callable[[str], None] = print,
+) -> tuple[SweepResult, str]:
+    """A sweep whose trials train the kubejax trainer; an MLflow parent run with one nested
+    run per trial. Returns the result and the parent run id ('' without tracking)."""
+    # The fixed settings, and each dimension at its lower end, before anything is created.
+    check_hyperparameters({**hyperparameters, **lowest_point(cfg.space)})
+    tracker = tracking.create_tracker(
+        mlflow_tracking_uri,
+        mlflow_experiment,
+        run_name=cfg.study_name,
+        # Under KFP's MLflow integration the sweep nests under the task's run.
+        parent_run_id=tracking.kfp_task_run() or None,
+        tags=tracking.kfp_tags({"kubejax.step": "tune-sweep", **(tags or {})}),
+    )
+    tracker.log_params({"sweep": _sweep_params(cfg), "fixed": hyperparameters})
+    factory = trainer_trial_spec(
+        image=image,
+        replicas=replicas,
+        data_dir=data_dir,
+        hyperparameters={"mlflow_experiment": mlflow_experiment, **hyperparameters},
+        parent_run_id=tracker.run_id or "",
+        task_config=task_config,
+        trial_timeout=cfg.trial_timeout,
+        extra_env=worker_env(workspace, tracker.tracking_uri or ""),
+    )
+    status = "FAILED"
+    try:
+        result = tune(
+            cfg, factory, trials_root, client=JAXJobClient(backend), tracker=tracker, log=log
+        )
+        _record_best(tracker, result, trials_root)
+        status = "FINISHED"
+        return result, tracker.run_id or ""
+    finally:
+        tracker.finish(status)
+
+
+def _sweep_params(cfg: SweepConfig) -> dict:
+    names = ("algorithm", "objective", "direction", "max_trials", "parallelism", "pruner", "seed")
+    return {**{n: getattr(cfg, n) for n in names}, "space": json.dumps(cfg.space)}
+
+
+def _record_best(tracker: tracking.Tracker, result: SweepResult, trials_root: str) -> None:
+    """The best trial on the sweep's run (params, tags, summary) and on the trial's own run."""
+    tracker.log_params({f"best.{k}": v for k, v in result.best_params.items()})
+    tracker.log_summary(
+        {
+            "best_value": result.best_value,
+            "trial_steps": result.trial_steps,
+            **{f"trials_{k}": v for k, v in result.counts.items()},
+        }
+    )
+    best_job = next(t["job"] for t in result.trials if t["number"] == result.best_trial)
+    tracker.set_tags(
+        {"kubejax.best_trial": str(result.best_trial), "kubejax.best_jaxjob": best_job}
+    )
+    best_dir = Path(trials_root) / f"trial-{result.best_trial:03d}"
+    best_run = read_metrics(best_dir).get("mlflow_run_id")
+    if best_run:
+        tracker.update_run(best_run, {"kubejax.best_trial": "true"})
+
+
+@dataclass
+class SweepOutcome:
+    """What the tune-sweep component logs and returns."""
+
+    result: SweepResult
+    metrics: dict[str, float]
+    parent_run_id: str
+
+
+def sweep_task(
+    dataset_path: str,
+    trials_path: str,
+    report_path: str,
+    *,
+    base_model: str,
+    search_space: str,
+    hyperparameters: dict | None = None,
+    objective: str = "eval_accuracy",
+    direction: str = "maximize",
+    algorithm: str = "tpe",
+    max_trials: int = 8,
+    parallelism: int = 2,
+    max_failed_trials: int = 2,
+    trial_timeout_seconds: int = 3600,
+    pruner: str = "median",
+    pruner_min_steps: int = 1,
+    seed: int = 0,
+    replicas: int = 1,
+    image: str = "",
+    backend: str = "auto",
+    workspace_path: str = "",
+    storage: str = "",
+    run_id: str = "",
+    task_name: str = "tune-sweep",
+    mlflow_tracking_uri: str = "",
+    mlflow_experiment: str = "kubejax",
+    poll_seconds: float = 5.0,
+    task_config=None,
+) -> SweepOutcome:
+    """The tune-sweep component's work (its parameters, by the same names; see the component
+    for each one's meaning). The study runs in the task's folder of the workspace (data, trial
+    folders, the sqlite study, so a retried task continues it); every trial goes to
+    `trials_path` as JSON and the HTML report to `report_path`."""
+    study = job_name(run_id, task_name, prefix="sweep") if run_id else "sweep"
+    root = task_root(workspace_path, study, Path(trials_path).parent / study)
+    cfg = SweepConfig(
+        space=search_space,
+        objective=objective,
+        direction=direction,
+        algorithm=algorithm,
+        max_trials=max_trials,
+        parallelism=parallelism,
+        max_failed_trials=max_failed_trials,
+        trial_timeout=trial_timeout_seconds,
+        pruner=pruner,
+        pruner_min_steps=pruner_min_steps,
+        seed=seed,
+        storage=storage or f"sqlite:///{root / 'study.db'}",
+        study_name=study,
+        poll_seconds=poll_seconds,
+    )
+    result, parent = sweep_with_jaxjobs(
+        cfg,
+        data_dir=str(stage_dataset(dataset_path, workspace_path, root)),
+        trials_root=str(root / "trials"),
+        hyperparameters={**(hyperparameters or {}), "model": base_model},
+        image=image or IMAGE,
+        replicas=replicas,
+        backend=backend,
+        task_config=task_config,
+        mlflow_tracking_uri=mlflow_tracking_uri,
+        mlflow_experiment=mlflow_experiment,
+        tags={"kfp.run_id": run_id, "kfp.task_name": task_name},
+        workspace=workspace_path,
+        log=log_to_stdout,
+    )
+    write_trials(result, trials_path)
+    write_report(result, cfg, report_path)
+    metrics = {
+        "best_value": result.best_value,
+        "best_trial": result.best_trial,
+        "trial_steps": result.trial_steps,
+        **{f"trials_{state}": n for state, n in result.counts.items()},
+    }
+    return SweepOutcome(result, metrics, parent)

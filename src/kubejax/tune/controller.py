@@ -1,0 +1,321 @@
+"""The sweep controller: an Optuna study whose trials are jobs running in parallel.
+
+One loop asks Optuna for trials (ask/tell), launches each as a job through the job client,
+follows the intermediate eval metrics that every trial writes to `<trial output>/metrics.json`
+(`evals`: a list of {step, <metric>, ...}), reports them to the pruner, deletes the job of a
+pruned trial, and tells Optuna each result. The study lives in Optuna RDB storage (sqlite in
+the workspace by default), so a retried sweep continues it and re-attaches to the trials' jobs
+that are still running.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import optuna
+
+from kubejax import tracking
+from kubejax.flags import setting as _f
+from kubejax.jaxjob.client import FAILED, SUCCEEDED, JAXJobClient
+from kubejax.jaxjob.launch import delete_on_sigterm
+from kubejax.jaxjob.spec import JAXJobSpec, job_name
+from kubejax.tune.space import (
+    ALGORITHMS,
+    PRUNERS,
+    SweepError,
+    grid,
+    make_pruner,
+    make_sampler,
+    parse_space,
+    suggest,
+)
+
+DIRECTIONS = ("maximize", "minimize")
+POLL_SECONDS = 5.0
+JOB_ATTR, OUTPUT_ATTR, STEPS_ATTR = "kubejax_job", "kubejax_output", "kubejax_steps"
+_STATE_NAMES = {
+    optuna.trial.TrialState.COMPLETE: "complete",
+    optuna.trial.TrialState.PRUNED: "pruned",
+    optuna.trial.TrialState.FAIL: "failed",
+}
+
+
+@dataclass
+class SweepConfig:
+    """How the study searches."""
+
+    space: dict[str, dict] = field(
+        metadata={"help": "search space: JSON object of trainer setting → entry (or @file.json)"}
+    )
+    objective: str = _f("eval_accuracy", "a key of the trials' eval records to optimise")
+    direction: str = _f("maximize", "maximize or minimize")
+    algorithm: str = _f("tpe", "grid, random, tpe or cmaes")
+    max_trials: int = _f(8, "trials in the study, counting those of earlier attempts")
+    parallelism: int = _f(2, "trials running at once")
+    max_failed_trials: int = _f(2, "more failed trials than this stop the sweep")
+    trial_timeout: float = _f(3600.0, "seconds per trial")
+    pruner: str = _f("median", "none, median, successive_halving or hyperband")
+    pruner_min_steps: int = _f(1, "no pruning before this eval step")
+    seed: int = _f(0, "seed of the sampler")
+    storage: str = _f("", "Optuna RDB URL; empty: in memory")
+    study_name: str = _f("kubejax-sweep", "the study's name in its storage")
+    poll_seconds: float = _f(POLL_SECONDS, "how often the trials are looked at")
+
+    def __post_init__(self):
+        self.space = parse_space(self.space)
+        if self.direction not in DIRECTIONS:
+            raise SweepError(f"direction: {self.direction!r} is not one of {', '.join(DIRECTIONS)}")
+        if self.algorithm not in ALGORITHMS:
+            raise SweepError(f"algorithm: {self.algorithm!r} is not one of {', '.join(ALGORITHMS)}")
+        if self.pruner not in PRUNERS:
+            raise SweepError(f"pruner: {self.pruner!r} is not one of {', '.join(PRUNERS)}")
+        for name in ("max_trials", "parallelism"):
+            if int(getattr(self, name)) < 1:
+                raise SweepError(f"{name}: must be at least 1, got {getattr(self, name)}")
+        if self.max_failed_trials < 0:
+            raise SweepError(f"max_failed_trials: must be 0 or more, got {self.max_failed_trials}")
+        if self.trial_timeout <= 0:
+            raise SweepError(f"trial_timeout: must be positive, got {self.trial_timeout}")
+
+
+@dataclass
+class SweepResult:
+    """What a sweep found."""
+
+    best_params: dict
+    best_value: float
+    best_trial: int
+    trials: list[dict] = field(default_factory=list)
+
+    @property
+    def counts(self) -> dict[str, int]:
+        out = {"complete": 0, "pruned": 0, "failed": 0}
+        for t in self.trials:
+            out[t["state"]] = out.get(t["state"], 0) + 1
+        return out
+
+    @property
+    def trial_steps(self) -> int:
+        return sum(int(t.get("steps") or 0) for t in self.trials)
+
+
+#: (trial number, params, output folder, job name) → the trial's job.
+TrialSpecFactory = Callable[[int, dict, str, str], JAXJobSpec]
+
+
+def read_metrics(output_dir: str | Path) -> dict:
+    """A trial's metrics.json; {} while it is not written yet (or being replaced)."""
+    try:
+        return json.loads((Path(output_dir) / "metrics.json").read_text())
+    except (OSError, json.JSONDecodeError):
+        return {}
+
+
+@dataclass
+class _Active:
+    trial: optuna.Trial
+    name: str
+    output_dir: str
+    started: float
+    reported: int = 0  # eval records already reported
+
+
+class Controller:
+    """Runs one study: re-attach to a previous attempt's trials, keep `parallelism` trials
+    running (fill), follow them (poll), and tell Optuna how each ended (finish)."""
+
+    def __init__(self, cfg, trial_spec, trials_root, client, tracker, log):
+        self.cfg, self.trial_spec, self.client = cfg, trial_spec, client
+        self.tracker, self.log = tracker, log
+        self.trials_root = Path(trials_root)
+        self.trials_root.mkdir(parents=True, exist_ok=True)
+        self.active: dict[int, _Active] = {}
+        self.failures: list[str] = []
+        self.study = optuna.create_study(
+            study_name=cfg.study_name,
+            storage=cfg.storage or None,
+            load_if_exists=True,
+            direction=cfg.direction,
+            sampler=make_sampler(cfg.algorithm, cfg.space, cfg.seed),
+            pruner=make_pruner(cfg.pruner, min_steps=cfg.pruner_min_steps),
+        )
+        optuna.logging.set_verbosity(optuna.logging.WARNING)
+        self.max_trials = cfg.max_trials
+        if cfg.algorithm == "grid":
+            # GridSampler stops the study from inside, which ask/tell does not allow: the grid
+            # points are enqueued instead, once, by the attempt that creates the study.
+            points = grid(cfg.space)
+            self.max_trials = min(cfg.max_trials, len(points))
+            if not self.study.get_trials(deepcopy=False):
+                for point in points[: self.max_trials]:
+                    self.study.enqueue_trial(point)
+
+    def run(self) -> SweepResult:
+        """Run the study to `max_trials`; the best trial and every trial's record."""
+        self.reattach()
+        with delete_on_sigterm(self.client, lambda: [a.name for a in self.active.values()]):
+            while self.active or self.launched() < self.max_trials:
+                self.fill()
+                for number in list(self.active):
+                    self.poll(number)
+                if len(self.failures) > self.cfg.max_failed_trials:
+                    self.stop()
+                if self.active:
+                    time.sleep(self.cfg.poll_seconds)
+        return self.result()
+
+    def reattach(self) -> None:
+        """Follow the trials a previous attempt left running; those whose job is gone failed."""
+        running = (optuna.trial.TrialState.RUNNING,)
+        for ft in self.study.get_trials(deepcopy=False, states=running):
+            name = ft.user_attrs.get(JOB_ATTR)
+            try:
+                if name is None:
+                    raise KeyError(name)
+                self.client.get_job(name)
+            except KeyError:
+                self.study.tell(ft.number, state=optuna.trial.TrialState.FAIL)
+                self.log(f"sweep: trial {ft.number} was lost with the previous attempt; failed")
+                continue
+            # Optuna has no public handle for a RUNNING trial of a loaded study.
+            trial = optuna.trial.Trial(self.study, ft._trial_id)
+            output_dir = ft.user_attrs[OUTPUT_ATTR]
+            self.active[ft.number] = _Active(trial, name, output_dir, time.monotonic())
+            self.log(f"sweep: re-attached to trial {ft.number} (job {name})")
+        failed = self.study.get_trials(states=(optuna.trial.TrialState.FAIL,))
+        self.failures += [f"trial {t.number}: failed in an earlier attempt" for t in failed]
+
+    def launched(self) -> int:
+        """Trials started so far, in this attempt and earlier ones."""
+        waiting = optuna.trial.TrialState.WAITING  # enqueued grid points not yet started
+        return sum(t.state != waiting for t in self.study.get_trials(deepcopy=False))
+
+    def fill(self) -> None:
+        """Start trials until `parallelism` run or the study has `max_trials`."""
+        while len(self.active) < self.cfg.parallelism and self.launched() < self.max_trials:
+            trial = self.study.ask()
+            params = suggest(trial, self.cfg.space)
+            out_dir = str(self.trials_root / f"trial-{trial.number:03d}")
+            name = job_name(self.cfg.study_name, str(trial.number), prefix=f"trial-{trial.number}")
+            trial.set_user_attr(JOB_ATTR, name)
+            trial.set_user_attr(OUTPUT_ATTR, out_dir)
+            self.client.create_job(self.trial_spec(trial.number, params, out_dir, name))
+            self.active[trial.number] = _Active(trial, name, out_dir, time.monotonic())
+            self.log(f"sweep: trial {trial.number} started as job {name}: {params}")
+
+    def poll(self, number: int) -> None:
+        """Report a trial's new evals to the pruner; finish it if pruned, done or failed."""
+        a = self.active[number]
+        metrics = read_metrics(a.output_dir)
+        evals = metrics.get("evals", [])
+        for rec in evals[a.reported :]:
+            if self.cfg.objective not in rec:
+                continue
+            a.trial.report(float(rec[self.cfg.objective]), int(rec["step"]))
+            a.reported += 1
+            final_step = rec["step"] == metrics.get("total_steps")
+            if not final_step and a.trial.should_prune():
+                self.client.delete_job(a.name)
+                self.finish(number, optuna.trial.TrialState.PRUNED, reason=f"at step {rec['step']}")
+                return
+        status = self.client.get_job(a.name)
+        if status.state == SUCCEEDED:
+            value = metrics.get("final", {}).get(self.cfg.objective)
+            if value is None and evals:
+                value = evals[-1].get(self.cfg.objective)
+            self.client.delete_job(a.name)
+            if value is None or not math.isfinite(float(value)):
+                self.failures.append(f"trial {number}: no {self.cfg.objective} in its metrics")
+                self.finish(number, optuna.trial.TrialState.FAIL, reason=self.failures[-1])
+            else:
+                self.finish(number, optuna.trial.TrialState.COMPLETE, float(value))
+        elif status.state == FAILED or time.monotonic() - a.started > self.cfg.trial_timeout:
+            cond = status.condition(FAILED) or {
+                "reason": "Timeout",
+                "message": f"ran past {self.cfg.trial_timeout}s",
+            }
+            tail = self.client.failure_log(a.name).strip()
+            self.client.delete_job(a.name)
+            last = tail.splitlines()[-1] if tail else ""
+            self.failures.append(
+                f"trial {number}: {cond.get('reason')}: {cond.get('message')}"
+                + (f" (last log line: {last})" if last else "")
+            )
+            self.finish(number, optuna.trial.TrialState.FAIL, reason=self.failures[-1])
+
+    def finish(self, number: int, state, value=None, reason: str = "") -> None:
+        """Tell Optuna how a trial ended, and mark its MLflow run."""
+        a = self.active.pop(number)
+        metrics = read_metrics(a.output_dir)
+        steps = int(metrics.get("step", 0))
+        a.trial.set_user_attr(STEPS_ATTR, steps)
+        complete = state == optuna.trial.TrialState.COMPLETE
+        self.study.tell(a.trial, value if complete else None, state=state)
+        label = _STATE_NAMES[state]
+        if metrics.get("mlflow_run_id"):
+            tag_trial_run(self.tracker, metrics["mlflow_run_id"], label)
+        self.log(
+            f"sweep: trial {number} {label}"
+            + (f" ({self.cfg.objective}={value:.4f})" if value is not None else "")
+            + (f": {reason}" if reason else "")
+            + f" after {steps} steps"
+        )
+
+    def stop(self) -> None:
+        """Too many failures: delete the running trials' jobs and fail the sweep."""
+        for a in list(self.active.values()):
+            self.client.delete_job(a.name)
+            self.finish(a.trial.number, optuna.trial.TrialState.FAIL, reason="sweep stopped")
+        raise SweepError(
+            f"max_failed_trials: {len(self.failures)} trials failed (limit "
+            f"{self.cfg.max_failed_trials}):\n" + "\n".join(self.failures)
+        )
+
+    def result(self) -> SweepResult:
+        """Every ended trial's record and the best one; an error if none completed."""
+        trials = [
+            {
+                "number": t.number,
+                "state": _STATE_NAMES[t.state],
+                "value": t.value,
+                "params": t.params,
+                "steps": t.user_attrs.get(STEPS_ATTR, 0),
+                "intermediate": {str(k): v for k, v in sorted(t.intermediate_values.items())},
+                "job": t.user_attrs.get(JOB_ATTR, ""),
+            }
+            for t in self.study.get_trials(deepcopy=False)
+            if t.state in _STATE_NAMES
+        ]
+        if not any(t["state"] == "complete" for t in trials):
+            raise SweepError("max_trials: no trial completed; see the trials' errors above")
+        best = self.study.best_trial
+        return SweepResult(dict(best.params), float(best.value), best.number, trials)
+
+
+def tag_trial_run(tracker: tracking.Tracker, run_id: str, state: str) -> None:
+    """Mark a trial's MLflow run with its sweep state (complete, pruned, failed) and end it."""
+    status = {"complete": "FINISHED", "pruned": "KILLED", "failed": "FAILED"}[state]
+    tracker.update_run(run_id, {"kubejax.trial_state": state}, status=status)
+
+
+def tune(
+    cfg: SweepConfig,
+    trial_spec: TrialSpecFactory,
+    trials_root: str | Path,
+    *,
+    client: JAXJobClient | None = None,
+    tracker: tracking.Tracker | None = None,
+    log: Callable[[str], None] = print,
+) -> SweepResult:
+    """Run the study to `max_trials`; return the best trial and every trial's record.
+
+    `trial_spec(number, params, output_dir, job_name)` builds the job of a trial.
+    """
+    client = client or JAXJobClient("auto")
+    tracker = tracker or tracking.Tracker()
+    return Controller(cfg, trial_spec, trials_root, client, tracker, log).run()

@@ -1,0 +1,181 @@
+"""The search space: its JSON form, validation, and what Optuna makes of it."""
+
+from __future__ import annotations
+
+import itertools
+import json
+from typing import Any
+
+import optuna
+
+from kubejax.errors import KubejaxError
+
+ALGORITHMS = ("grid", "random", "tpe", "cmaes")
+PRUNERS = ("none", "median", "successive_halving", "hyperband")
+PARAM_TYPES = ("float", "int", "categorical")
+
+
+class SweepError(KubejaxError, RuntimeError):
+    """The sweep cannot go on (bad space, too many failed trials)."""
+
+
+def parse_space(space: str | dict) -> dict[str, dict]:
+    """Validate a search space (JSON text or dict); errors name the bad entry.
+
+    Entries: {"type": "float", "low", "high", "log"?, "step"?}, {"type": "int", "low", "high",
+    "step"?, "log"?}, {"type": "categorical", "choices": [...]}.
+    """
+    if isinstance(space, str):
+        try:
+            space = json.loads(space)
+        except json.JSONDecodeError as err:
+            raise SweepError(f"search_space: not valid JSON ({err})") from err
+    if not isinstance(space, dict) or not space:
+        raise SweepError("search_space: must be a non-empty JSON object of name → entry")
+    out = {}
+    for name, entry in space.items():
+        where = f"search_space.{name}"
+        if not isinstance(entry, dict):
+            raise SweepError(f"{where}: must be an object with a 'type'")
+        kind = entry.get("type")
+        if kind not in PARAM_TYPES:
+            raise SweepError(f"{where}.type: {kind!r} is not one of {', '.join(PARAM_TYPES)}")
+        allowed = {
+            "float": {"type", "low", "high", "log", "step"},
+            "int": {"type", "low", "high", "log", "step"},
+            "categorical": {"type", "choices"},
+        }[kind]
+        unknown = set(entry) - allowed
+        if unknown:
+            raise SweepError(f"{where}: unknown keys {sorted(unknown)}; allowed {sorted(allowed)}")
+        if kind == "categorical":
+            choices = entry.get("choices")
+            if not isinstance(choices, list) or not choices:
+                raise SweepError(f"{where}.choices: must be a non-empty list")
+        else:
+            num = float if kind == "float" else int
+            for key in ("low", "high"):
+                v = entry.get(key)
+                if (
+                    not isinstance(v, int | float)
+                    or isinstance(v, bool)
+                    or (kind == "int" and not float(v).is_integer())
+                ):
+                    raise SweepError(
+                        f"{where}.{key}: must be a{'n integer' if kind == 'int' else ' number'}"
+                    )
+            if entry["low"] >= entry["high"]:
+                raise SweepError(
+                    f"{where}: low ({entry['low']}) must be below high ({entry['high']})"
+                )
+            if entry.get("log") and entry["low"] <= 0:
+                raise SweepError(f"{where}.low: must be positive with log scale")
+            if entry.get("log") and entry.get("step") is not None and kind == "float":
+                raise SweepError(f"{where}: step and log cannot be combined")
+            step = entry.get("step")
+            if step is not None and (not isinstance(step, int | float) or step <= 0):
+                raise SweepError(f"{where}.step: must be positive")
+            entry = {**entry, "low": num(entry["low"]), "high": num(entry["high"])}
+        out[name] = entry
+    return out
+
+
+def suggest(trial: optuna.Trial, space: dict[str, dict]) -> dict[str, Any]:
+    """Parameter values for one trial."""
+    params = {}
+    for name, e in space.items():
+        if e["type"] == "float":
+            params[name] = trial.suggest_float(
+                name, e["low"], e["high"], log=bool(e.get("log")), step=e.get("step")
+            )
+        elif e["type"] == "int":
+            params[name] = trial.suggest_int(
+                name, e["low"], e["high"], step=e.get("step") or 1, log=bool(e.get("log"))
+            )
+        else:
+            params[name] = trial.suggest_categorical(name, e["choices"])
+    return params
+
+
+def _grid_axes(space: dict[str, dict]) -> dict[str, list]:
+    grid = {}
+    for name, e in space.items():
+        if e["type"] == "categorical":
+            grid[name] = list(e["choices"])
+        elif e.get("step") is not None:
+            n = round((e["high"] - e["low"]) / e["step"]) + 1
+            grid[name] = [e["low"] + i * e["step"] for i in range(n)]
+        elif e["type"] == "int" and not e.get("log"):
+            grid[name] = list(range(e["low"], e["high"] + 1))
+        else:
+            raise SweepError(
+                f"search_space.{name}: grid search needs 'choices' or a 'step' for {e['type']}"
+            )
+    return grid
+
+
+def grid(space: dict[str, dict]) -> list[dict]:
+    """Every point of a grid search, in order."""
+    axes = _grid_axes(space)
+    return [dict(zip(axes, combo, strict=True)) for combo in itertools.product(*axes.values())]
+
+
+def make_sampler(algorithm: str, space: dict[str, dict], seed: int) -> optuna.samplers.BaseSampler:
+    """The Optuna sampler for an algorithm name."""
+    if algorithm == "grid":
+        # Grid points are enqueued by `tune` (GridSampler stops the study from inside, which
+        # the ask/tell loop does not allow); the sampler only validates the grid here.
+        _grid_axes(space)
+        return optuna.samplers.RandomSampler(seed=seed)
+    if algorithm == "random":
+        return optuna.samplers.RandomSampler(seed=seed)
+    if algorithm == "tpe":
+        return optuna.samplers.TPESampler(seed=seed)
+    if algorithm == "cmaes":
+        cat = [n for n, e in space.items() if e["type"] == "categorical"]
+        if cat:
+            raise SweepError(f"algorithm: cmaes cannot search categorical parameters {cat}")
+        return optuna.samplers.CmaEsSampler(seed=seed)
+    raise SweepError(f"algorithm: {algorithm!r} is not one of {', '.join(ALGORITHMS)}")
+
+
+def make_pruner(name: str, *, min_steps: int = 1, max_steps: int = 0) -> optuna.pruners.BasePruner:
+    """The Optuna pruner for a pruner name; steps are the trainer's eval steps."""
+    if name == "none":
+        return optuna.pruners.NopPruner()
+    if name == "median":
+        return optuna.pruners.MedianPruner(n_startup_trials=2, n_warmup_steps=min_steps)
+    if name == "successive_halving":
+        return optuna.pruners.SuccessiveHalvingPruner(
+            min_resource=max(min_steps, 1), reduction_factor=3
+        )
+    if name == "hyperband":
+        return optuna.pruners.HyperbandPruner(
+            min_resource=max(min_steps, 1), max_resource=max_steps or "auto", reduction_factor=3
+        )
+    raise SweepError(f"pruner: {name!r} is not one of {', '.join(PRUNERS)}")
+
+
+def distributions(space: dict[str, dict]) -> dict:
+    d = {}
+    for name, e in space.items():
+        if e["type"] == "float":
+            d[name] = optuna.distributions.FloatDistribution(
+                e["low"], e["high"], log=bool(e.get("log")), step=e.get("step")
+            )
+        elif e["type"] == "int":
+            d[name] = optuna.distributions.IntDistribution(
+                e["low"], e["high"], log=bool(e.get("log")), step=e.get("step") or 1
+            )
+        else:
+            d[name] = optuna.distributions.CategoricalDistribution(e["choices"])
+    return d
+
+
+def lowest_point(space: dict[str, dict]) -> dict:
+    """A point of the search space (every dimension at its first value), to type-check the
+    names and values a trial will pass to the trainer."""
+    return {
+        name: e["choices"][0] if e["type"] == "categorical" else e["low"]
+        for name, e in space.items()
+    }
