@@ -23,6 +23,7 @@ def tune_sweep(
     algorithm: str = "tpe",
     max_trials: int = 8,
     parallelism: int = 2,
+    max_workers: int = 0,
     max_failed_trials: int = 2,
     trial_timeout_seconds: int = 3600,
     pruner: str = "median",
@@ -50,19 +51,23 @@ def tune_sweep(
         metrics: Output: best value, trial counts (complete, pruned, failed), trial-steps.
         base_model: HF hub id or folder to fine-tune.
         search_space: JSON object: name → {"type": "float"|"int"|"categorical", "low",
-            "high", "log", "step", "choices"}; names are trainer settings.
+            "high", "log", "step", "choices", "when"}; names are trainer settings (optimizer,
+            learning_rate, global_batch_size, ...) or `replicas` (workers per trial); "when":
+            {earlier name: value(s)} makes a dimension conditional (define-by-run).
         hyperparameters: Fixed trainer settings for every trial (e.g. max_steps, eval_every).
         objective: Eval metric to optimise (eval_accuracy or eval_loss).
         direction: maximize or minimize.
         algorithm: grid, random, tpe or cmaes.
         max_trials: Trials in the study in all (a retried task counts the earlier ones).
         parallelism: Trials running at once.
+        max_workers: Workers all running trials may use together; a trial that would exceed
+            it waits for running ones to end (0: no limit beyond parallelism).
         max_failed_trials: More failed trials than this fail the sweep.
         trial_timeout_seconds: Per-trial limit.
         pruner: none, median, successive_halving or hyperband (fed by the trials' evals).
         pruner_min_steps: No pruning before this eval step.
         seed: Sampler seed.
-        replicas: JAXJob workers per trial.
+        replicas: Workers per trial (unless the search space has `replicas`).
         image: Image of the trial pods; empty: the kubejax image of this version.
         backend: trainjob, jaxjob, kubernetes (the cluster's engine, TrainJob first), local,
             or auto (kubernetes inside a cluster, else local).

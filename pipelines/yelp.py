@@ -122,6 +122,7 @@ def yelp_pipeline(
     direction: str = "maximize",
     max_trials: int = 8,
     parallelism: int = 2,
+    max_workers: int = 0,
     pruner: str = "median",
     trial_hyperparameters: dict = DEFAULT_TRIAL_HP,
     trial_replicas: int = 1,
@@ -149,18 +150,23 @@ def yelp_pipeline(
         max_train_samples: Stratified cap on train rows (0: all).
         max_validation_samples: Stratified cap on validation rows (0: all).
         max_test_samples: Stratified cap on test rows (0: all).
-        search_space: JSON search space over trainer settings.
+        search_space: JSON search space over trainer settings (optimizer, learning_rate,
+            global_batch_size, ...) and `replicas` (workers per trial); "when" makes a
+            dimension conditional.
         algorithm: grid, random, tpe or cmaes.
         objective: eval_accuracy or eval_loss.
         direction: maximize (eval_accuracy) or minimize (eval_loss).
         max_trials: Trials in the sweep.
         parallelism: Trials at once.
+        max_workers: Workers the running trials may use together (a trial that would exceed
+            it waits); 0: no limit beyond parallelism.
         pruner: none, median, successive_halving or hyperband.
         trial_hyperparameters: Fixed trainer settings of every trial.
-        trial_replicas: Workers per trial.
+        trial_replicas: Workers per trial (unless search_space has `replicas`).
         trial_gpus_per_worker: nvidia.com/gpu limit of each trial worker (0: CPU only).
         train_hyperparameters: Trainer settings of the final training (the best params win).
-        replicas: Workers of the final training.
+        replicas: Workers of the final training (the sweep's best `replicas` wins when
+            searched).
         gpus_per_worker: nvidia.com/gpu limit of each worker of the final training (0: CPU
             only).
         image: The kubejax image of every step and worker.
@@ -194,6 +200,7 @@ def yelp_pipeline(
         algorithm=algorithm,
         max_trials=max_trials,
         parallelism=parallelism,
+        max_workers=max_workers,
         pruner=pruner,
         seed=seed,
         replicas=trial_replicas,

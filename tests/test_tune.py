@@ -18,6 +18,8 @@ PROGRAM = Path(__file__).parent / "trial_program.py"
 
 def factory(steps=10, fail_above=2.0, sleep=0.02):
     def make(number, params, out, name):
+        params = dict(params)
+        replicas = int(params.pop("replicas", 1))
         args = [
             "--output-dir",
             out,
@@ -30,7 +32,8 @@ def factory(steps=10, fail_above=2.0, sleep=0.02):
         ]
         for k, v in params.items():
             args += [f"--{k}", str(v)]
-        return JAXJobSpec(name=name, image="i", command=[sys.executable, str(PROGRAM)], args=args)
+        command = [sys.executable, str(PROGRAM)]
+        return JAXJobSpec(name=name, image="i", command=command, args=args, replicas=replicas)
 
     return make
 
@@ -318,3 +321,132 @@ def test_the_tune_component_mirrors_sweep_task_and_sweep_config():
         name = names.get(f.name, f.name)
         if name in component and f.default is not dataclasses.MISSING:
             assert component[name] == f.default, f.name
+
+
+def _peak_workers(trials: list[dict]) -> int:
+    """The most workers running at once, from the trials' job start and end times."""
+    events = sorted(
+        [(t["start"], t["workers"]) for t in trials] + [(t["end"], -t["workers"]) for t in trials],
+        key=lambda e: (e[0], e[1]),  # an end before a start at the same instant
+    )
+    peak = running = 0
+    for _, delta in events:
+        running += delta
+        peak = max(peak, running)
+    return peak
+
+
+def test_trials_on_different_worker_counts_stay_within_the_worker_budget(client, tmp_path):
+    space = {
+        "x": {"type": "float", "low": 0.0, "high": 1.0},
+        "replicas": {"type": "categorical", "choices": [1, 2, 3]},
+    }
+    cfg = _cfg(space, algorithm="random", max_trials=10, parallelism=3, max_workers=3, seed=3)
+    r = tune(cfg, factory(steps=3, sleep=0.05), tmp_path / "t", client=client, log=lambda _: None)
+    assert r.counts["complete"] == 10
+    assert {t["workers"] for t in r.trials} == {1, 2, 3}
+    assert all(t["workers"] == t["params"]["replicas"] for t in r.trials)
+    assert _peak_workers(r.trials) <= 3
+    assert all(t["worker_seconds"] > 0 for t in r.trials)
+
+
+def test_a_space_whose_trials_cannot_fit_the_budget_is_refused():
+    space = {"replicas": {"type": "int", "low": 1, "high": 4}}
+    with pytest.raises(SweepError, match="max_workers: 2 is below the 4 workers"):
+        SweepConfig(space=space, max_workers=2)
+    with pytest.raises(SweepError, match=r"search_space\.replicas: workers per trial"):
+        parse_space({"replicas": {"type": "categorical", "choices": [1, 0.5]}})
+
+
+def test_conditional_dimensions_exist_only_where_they_apply(client, tmp_path):
+    space = {
+        "kind": {"type": "categorical", "choices": ["a", "b"]},
+        "x": {"type": "float", "low": 0.0, "high": 1.0, "when": {"kind": "b"}},
+    }
+    r = tune(
+        _cfg({**space}, algorithm="random", max_trials=8, parallelism=2, seed=0),
+        lambda n, params, out, name: factory(steps=1)(n, {"x": params.get("x", 0.9)}, out, name),
+        tmp_path / "t",
+        client=client,
+        log=lambda _: None,
+    )
+    kinds = {t["params"]["kind"] for t in r.trials}
+    assert kinds == {"a", "b"}
+    for t in r.trials:
+        assert ("x" in t["params"]) == (t["params"]["kind"] == "b")
+    with pytest.raises(SweepError, match=r"search_space.x.when: 'kind' is not an entry above"):
+        parse_space({"x": space["x"], "kind": space["kind"]})
+    with pytest.raises(SweepError, match=r"search_space.x.when.kind: 'c' is not one of"):
+        parse_space({"kind": space["kind"], "x": {**space["x"], "when": {"kind": "c"}}})
+    with pytest.raises(SweepError, match="grid search runs every combination"):
+        SweepConfig(space=space, algorithm="grid")
+
+
+def test_a_sweep_over_optimizers_and_replicas_feeds_the_final_training(
+    tmp_path, tiny_model_dir, prepared
+):
+    """Trainer trials on 1 or 2 workers, with AdamW or Lion (Lion's b1 only for Lion), within
+    a budget of 2 workers; the best params, replicas included, reach the final training."""
+    from kubejax.launchers.train import train_task
+
+    space = {
+        "optimizer": {"type": "categorical", "choices": ["adamw", "lion"]},
+        "b1": {"type": "float", "low": 0.85, "high": 0.95, "when": {"optimizer": "lion"}},
+        "learning_rate": {"type": "float", "low": 1e-4, "high": 3e-3, "log": True},
+        "replicas": {"type": "categorical", "choices": [1, 2]},
+    }
+    cfg = SweepConfig(
+        space=space,
+        algorithm="random",
+        max_trials=4,
+        parallelism=2,
+        max_workers=2,
+        pruner="none",
+        seed=4,
+        poll_seconds=0.2,
+        study_name="resources",
+    )
+    fixed = {
+        "model": str(tiny_model_dir),
+        "max_steps": 4,
+        "global_batch_size": 8,
+        "max_length": 64,
+        "max_eval_examples": 32,
+        "eval_batch_size": 32,
+    }
+    result, _ = sweep_with_jaxjobs(
+        cfg,
+        data_dir=str(prepared),
+        trials_root=str(tmp_path / "trials"),
+        hyperparameters=fixed,
+        image="local",
+        backend="local",
+        log=lambda _: None,
+    )
+    assert result.counts["complete"] == 4
+    assert {t["workers"] for t in result.trials} == {1, 2}
+    assert {t["params"]["optimizer"] for t in result.trials} == {"adamw", "lion"}
+    assert all(("b1" in t["params"]) == (t["params"]["optimizer"] == "lion") for t in result.trials)
+    assert _peak_workers(result.trials) <= 2
+    outcome = train_task(
+        str(prepared),
+        str(tmp_path / "model"),
+        base_model=str(tiny_model_dir),
+        hyperparameters={k: v for k, v in fixed.items() if k != "model"},
+        best_params=result.best_params,
+        mlflow_tracking_uri="",
+        backend="local",
+    )
+    workers = {k for k in outcome.metrics if k.endswith("_peak_rss_mb")}
+    assert len(workers) == result.best_params["replicas"]
+
+
+def test_trial_jobs_take_booleans_and_their_own_worker_count():
+    from kubejax.launchers.sweep import trainer_trial_spec
+
+    make = trainer_trial_spec(
+        image="i", replicas=1, data_dir="/d", hyperparameters={"model": "m", "optimizer": "sgd"}
+    )
+    spec = make(0, {"nesterov": True, "momentum": 0.8, "replicas": 2}, "/o", "trial-0-x")
+    assert "--nesterov" in spec.args and spec.replicas == 2
+    assert "--replicas" not in spec.args

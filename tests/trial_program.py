@@ -25,6 +25,9 @@ if a.x > a.fail_above:
     print(f"x={a.x} is too large", flush=True)
     sys.exit(1)
 value = 1 - (a.x - 0.3) ** 2 - (a.y - 0.5) ** 2 / 4
+if os.environ.get("PROCESS_ID", "0") != "0":  # as in the trainer, worker 0 writes the metrics
+    time.sleep(a.sleep * a.steps)
+    sys.exit(0)
 evals = []
 for step in range(1, a.steps + 1):
     time.sleep(a.sleep)

@@ -105,6 +105,11 @@ def to_flags(
             raise FlagError(f"{where}: {key!r} is not a setting; known: {known}")
         if value is None:
             continue
+        if base_type(hints[key]) is bool:
+            if not isinstance(value, bool):
+                raise FlagError(f"{where}: {key} must be true or false, got {value!r}")
+            args.append(_flag(key) if value else "--no-" + key.replace("_", "-"))
+            continue
         if base_type(hints[key]) is int and isinstance(value, float):
             if not value.is_integer():
                 raise FlagError(f"{where}: {key} must be an integer, got {value}")

@@ -31,7 +31,7 @@ from kubejax.tune.controller import (
     tune,
 )
 from kubejax.tune.report import write_report, write_trials
-from kubejax.tune.space import lowest_point
+from kubejax.tune.space import RESOURCE_PARAMS, SweepError, lowest_point
 from kubejax.version import IMAGE
 
 
@@ -46,17 +46,19 @@ def trainer_trial_spec(
     trial_timeout: float = 3600.0,
     extra_env: dict[str, str] | None = None,
 ) -> TrialSpecFactory:
-    """Trial jobs that train with the fixed `hyperparameters` plus the trial's params."""
+    """Trial jobs that train with the fixed `hyperparameters` plus the trial's params; a
+    `replicas` param sets the trial's worker count instead of `replicas`."""
 
     def make(number: int, params: dict, output_dir: str, name: str) -> JAXJobSpec:
-        hp = {**hyperparameters, **params, "mlflow_run_name": f"trial-{number}"}
+        settings = {k: v for k, v in params.items() if k not in RESOURCE_PARAMS}
+        hp = {**hyperparameters, **settings, "mlflow_run_name": f"trial-{number}"}
         if parent_run_id:
             hp["mlflow_parent_run_id"] = parent_run_id
         hp = with_mlflow_tags(hp, {"kubejax.trial": str(number), "kubejax.jaxjob": name})
         return build_train_spec(
             name=name,
             image=image,
-            replicas=replicas,
+            replicas=int(params.get("replicas", replicas)),
             data_dir=data_dir,
             output_dir=output_dir,
             hyperparameters=hp,
@@ -90,7 +92,12 @@ def sweep_with_jaxjobs(
     """A sweep whose trials train the kubejax trainer; an MLflow parent run with one nested
     run per trial. Returns the result and the parent run id ('' without tracking)."""
     # The fixed settings, and each dimension at its lower end, before anything is created.
-    check_hyperparameters({**hyperparameters, **lowest_point(cfg.space)})
+    point = {k: v for k, v in lowest_point(cfg.space).items() if k not in RESOURCE_PARAMS}
+    check_hyperparameters({**hyperparameters, **point})
+    if cfg.max_workers and "replicas" not in cfg.space and replicas > cfg.max_workers:
+        raise SweepError(
+            f"max_workers: {cfg.max_workers} is below the {replicas} workers of every trial"
+        )
     tracker = tracking.create_tracker(
         mlflow_tracking_uri,
         mlflow_experiment,
@@ -169,6 +176,7 @@ def sweep_task(
     algorithm: str = "tpe",
     max_trials: int = 8,
     parallelism: int = 2,
+    max_workers: int = 0,
     max_failed_trials: int = 2,
     trial_timeout_seconds: int = 3600,
     pruner: str = "median",
@@ -199,6 +207,7 @@ def sweep_task(
         algorithm=algorithm,
         max_trials=max_trials,
         parallelism=parallelism,
+        max_workers=max_workers,
         max_failed_trials=max_failed_trials,
         trial_timeout=trial_timeout_seconds,
         pruner=pruner,

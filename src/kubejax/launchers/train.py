@@ -128,9 +128,13 @@ def train_task(
     image: str = "",
     **launch,
 ) -> TrainOutcome:
-    """Train `base_model` with `hyperparameters` overridden by `best_params` (a sweep's), as a
-    job (`launch`: the keywords of `train_with_jaxjob`); the figures and report of the run."""
-    hp = {**(hyperparameters or {}), **(best_params or {}), "model": base_model}
+    """Train `base_model` with `hyperparameters` overridden by `best_params` (a sweep's, whose
+    `replicas` sets the worker count), as a job (`launch`: the keywords of
+    `train_with_jaxjob`); the figures and report of the run."""
+    best = dict(best_params or {})
+    if "replicas" in best:
+        launch["replicas"] = int(best.pop("replicas"))
+    hp = {**(hyperparameters or {}), **best, "model": base_model}
     hp.setdefault("mlflow_experiment", mlflow_experiment)
     result = train_with_jaxjob(
         dataset_path=dataset_path,

@@ -48,6 +48,11 @@ class Checkpointer:
         )
         return out["state"], out["meta"]
 
+    def metadata(self, step: int) -> dict:
+        """The JSON metadata saved with `step` (the config, the history), without the state."""
+        out = self.manager.restore(step, args=ocp.args.Composite(meta=ocp.args.JsonRestore()))
+        return out["meta"]
+
     def wait(self) -> None:
         """Block until pending saves are complete."""
         self.manager.wait_until_finished()

@@ -14,6 +14,16 @@ from kubejax.flags import setting as _f
 from kubejax.tracking import resolve_uri
 
 SCHEDULES = ("linear", "cosine", "constant")
+OPTIMIZERS = ("adamw", "adafactor", "lion", "sgd")
+#: The optimizer settings and the optimizers they mean something for.
+OPTIMIZER_SETTINGS = {
+    "b1": ("adamw", "lion"),
+    "b2": ("adamw", "lion"),
+    "eps": ("adamw",),
+    "momentum": ("sgd",),
+    "nesterov": ("sgd",),
+    "decay_rate": ("adafactor",),
+}
 DTYPES = ("float32", "bfloat16")
 
 
@@ -41,9 +51,23 @@ class TrainConfig:
     max_steps: int = _f(0, "optimizer steps in all; 0 = from epochs")
     global_batch_size: int = _f(32, "examples per optimizer step, over all processes")
     grad_accum_steps: int = _f(1, "micro-batches per optimizer step (global batch split evenly)")
+    max_micro_batch: int = _f(
+        0,
+        "largest micro-batch per device; 0 = no limit. When the global batch needs more, "
+        "grad_accum_steps rises to the smallest count that fits",
+    )
+    optimizer: str = _f("adamw", "adamw, adafactor, lion or sgd (optax)")
     learning_rate: float = _f(5e-5, "peak learning rate")
+    b1: float | None = _f(None, "first-moment decay of adamw/lion; default: optax's (0.9, 0.9)")
+    b2: float | None = _f(None, "second-moment decay of adamw/lion; default: 0.999, 0.99")
+    eps: float | None = _f(None, "adamw's epsilon; default: 1e-8")
+    momentum: float | None = _f(None, "sgd's momentum; default 0.9, 0 = plain SGD")
+    nesterov: bool = _f(False, "sgd: Nesterov momentum")
+    decay_rate: float | None = _f(None, "adafactor's second-moment decay exponent; default 0.8")
     warmup_ratio: float = _f(0.1, "share of steps with linear warmup from 0")
-    weight_decay: float = _f(0.01, "AdamW decoupled weight decay (not on biases and LayerNorm)")
+    weight_decay: float = _f(
+        0.01, "weight decay, not on biases and LayerNorm (decoupled for adamw)"
+    )
     schedule: str = _f("linear", "decay after warmup: linear, cosine or constant")
     max_grad_norm: float = _f(1.0, "clip gradients to this global norm; 0 = no clipping")
     dropout: float | None = _f(None, "hidden and attention dropout; default: the model config's")
@@ -96,6 +120,7 @@ class TrainConfig:
             raise ConfigError("output_dir: required")
         if self.dtype not in DTYPES:
             raise ConfigError(f"dtype: {self.dtype!r} is not one of {', '.join(DTYPES)}")
+        self._validate_optimizer()
         if self.schedule not in SCHEDULES:
             raise ConfigError(f"schedule: {self.schedule!r} is not one of {', '.join(SCHEDULES)}")
         positive = (
@@ -108,7 +133,13 @@ class TrainConfig:
         for name in (*positive, "bucket_multiple", "keep_checkpoints", "max_length"):
             if getattr(self, name) < 1:
                 raise ConfigError(f"{name}: must be at least 1, got {getattr(self, name)}")
-        for name in ("max_steps", "eval_every", "checkpoint_every", "num_labels"):
+        for name in (
+            "max_steps",
+            "eval_every",
+            "checkpoint_every",
+            "num_labels",
+            "max_micro_batch",
+        ):
             if getattr(self, name) < 0:
                 raise ConfigError(f"{name}: must be 0 or more, got {getattr(self, name)}")
         if self.max_steps == 0 and self.epochs <= 0:
@@ -134,6 +165,50 @@ class TrainConfig:
             if not isinstance(tags, dict):
                 raise ConfigError("mlflow_tags: must be a JSON object")
         return self
+
+    def _validate_optimizer(self) -> None:
+        if self.optimizer not in OPTIMIZERS:
+            raise ConfigError(
+                f"optimizer: {self.optimizer!r} is not one of {', '.join(OPTIMIZERS)}"
+            )
+        for name, optimizers in OPTIMIZER_SETTINGS.items():
+            value = getattr(self, name)
+            if value not in (None, False) and self.optimizer not in optimizers:
+                raise ConfigError(
+                    f"{name}: applies to {' and '.join(optimizers)}, not to optimizer "
+                    f"{self.optimizer!r}"
+                )
+        for name in ("b1", "b2", "momentum"):
+            value = getattr(self, name)
+            if value is not None and not 0.0 <= value < 1.0:
+                raise ConfigError(f"{name}: must be in [0, 1), got {value}")
+        if self.eps is not None and self.eps <= 0:
+            raise ConfigError(f"eps: must be positive, got {self.eps}")
+        if self.decay_rate is not None and not 0.0 < self.decay_rate <= 1.0:
+            raise ConfigError(f"decay_rate: must be in (0, 1], got {self.decay_rate}")
+
+    def fit_to_devices(self, devices: int) -> None:
+        """Fit the batch to the job's devices: with `max_micro_batch`, raise grad_accum_steps
+        until each device's share of a micro-batch fits; then check that the global batch
+        splits evenly over micro-batches and devices."""
+        if self.max_micro_batch:
+            self._fit_micro_batch(devices)
+        self.check_process_count(devices)
+
+    def _fit_micro_batch(self, devices: int) -> None:
+        accum = self.grad_accum_steps
+        while accum <= self.global_batch_size:
+            micro = self.global_batch_size // accum
+            fits = micro % devices == 0 and micro // devices <= self.max_micro_batch
+            if self.global_batch_size % accum == 0 and fits:
+                self.grad_accum_steps = accum
+                return
+            accum += 1
+        raise ConfigError(
+            f"max_micro_batch: no gradient accumulation splits global_batch_size "
+            f"{self.global_batch_size} into micro-batches of at most {self.max_micro_batch} per "
+            f"device on {devices} devices"
+        )
 
     def check_process_count(self, devices: int) -> None:
         """The global batch must split evenly over micro-batches and devices."""

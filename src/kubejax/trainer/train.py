@@ -102,8 +102,32 @@ def decay_mask(params):
     return jax.tree_util.tree_map_with_path(keep, params)
 
 
+def base_optimizer(cfg: TrainConfig, learning_rate, weight_decay) -> optax.GradientTransformation:
+    """The optimizer itself, by name, with the weight-decay mask; settings left unset take
+    optax's defaults."""
+    given = {k: getattr(cfg, k) for k in ("b1", "b2", "eps") if getattr(cfg, k) is not None}
+    if cfg.optimizer == "adamw":
+        return optax.adamw(learning_rate, weight_decay=weight_decay, mask=decay_mask, **given)
+    if cfg.optimizer == "lion":
+        return optax.lion(learning_rate, weight_decay=weight_decay, mask=decay_mask, **given)
+    if cfg.optimizer == "adafactor":
+        # An absolute learning rate (the schedule's), not Adafactor's parameter-relative one.
+        return optax.adafactor(
+            learning_rate,
+            decay_rate=0.8 if cfg.decay_rate is None else cfg.decay_rate,
+            multiply_by_parameter_scale=False,
+            weight_decay_rate=weight_decay,
+            weight_decay_mask=decay_mask,
+        )
+    momentum = 0.9 if cfg.momentum is None else cfg.momentum
+    return optax.chain(
+        optax.add_decayed_weights(weight_decay, mask=decay_mask),
+        optax.sgd(learning_rate, momentum=momentum or None, nesterov=cfg.nesterov),
+    )
+
+
 def make_optimizer(cfg: TrainConfig) -> optax.GradientTransformation:
-    """Gradient clipping, then AdamW with the decay mask.
+    """Gradient clipping, then the configured optimizer (adamw, adafactor, lion or sgd).
 
     The learning rate, weight decay and clipping norm live in the optimizer state
     (`optax.inject_hyperparams`) instead of being constants of the compiled step: the step gets
@@ -114,14 +138,7 @@ def make_optimizer(cfg: TrainConfig) -> optax.GradientTransformation:
     def chain(learning_rate, weight_decay, max_grad_norm):
         return optax.chain(
             optax.clip_by_global_norm(max_grad_norm),
-            optax.adamw(
-                learning_rate,
-                b1=0.9,
-                b2=0.999,
-                eps=1e-8,
-                weight_decay=weight_decay,
-                mask=decay_mask,
-            ),
+            base_optimizer(cfg, learning_rate, weight_decay),
         )
 
     return optax.inject_hyperparams(chain)(
@@ -210,12 +227,20 @@ def host_learning_rates(cfg: TrainConfig, total_steps: int) -> np.ndarray:
     return np.asarray(schedule(jnp.arange(total_steps + 1)), np.float32)
 
 
-def restore_latest(ckpt: Checkpointer, params, opt_state):
+def restore_latest(ckpt: Checkpointer, cfg: TrainConfig, params, opt_state):
     """The state of the latest checkpoint, if any: params, optimizer state, the step to go on
-    from and the metric history so far."""
+    from and the metric history so far. A checkpoint made with another optimizer is refused
+    (its state could not be read into this one's)."""
     latest = ckpt.latest_step()
     if latest is None:
         return params, opt_state, 0, {"train": [], "evals": []}
+    saved_optimizer = ckpt.metadata(latest).get("config", {}).get("optimizer", "adamw")
+    if saved_optimizer != cfg.optimizer:
+        raise ConfigError(
+            f"optimizer: {cfg.optimizer!r}, but the checkpoint at step {latest} in "
+            f"{cfg.output_dir} was made with {saved_optimizer!r}; resume with {saved_optimizer!r}"
+            " or train into a fresh output_dir"
+        )
     state, saved = ckpt.restore(latest, {"params": params, "opt_state": opt_state})
     history = saved.get("history", {"train": [], "evals": []})
     return state["params"], state["opt_state"], saved["step"], history
@@ -429,7 +454,7 @@ def train_and_evaluate(cfg: TrainConfig) -> dict:
     cfg.validate()
     penv = distributed.initialize(timeout_s=cfg.coordinator_timeout)
     mesh = distributed.data_mesh()
-    cfg.check_process_count(jax.device_count())
+    cfg.fit_to_devices(jax.device_count())
     out = _writable_dir(Path(cfg.output_dir))
     sampler = monitoring.ResourceSampler().start()
     data = load_data(cfg)
@@ -443,7 +468,7 @@ def train_and_evaluate(cfg: TrainConfig) -> dict:
     params = distributed.replicate(params, mesh)
     opt_state = jax.jit(tx.init, out_shardings=distributed.replicated(mesh))(params)
     ckpt = Checkpointer(out, cfg.keep_checkpoints)
-    params, opt_state, start_step, history = restore_latest(ckpt, params, opt_state)
+    params, opt_state, start_step, history = restore_latest(ckpt, cfg, params, opt_state)
     resumed = ckpt.latest_step() is not None
 
     tracker = start_tracker(cfg, data, resumed=resumed)

@@ -31,6 +31,7 @@ from kubejax.tune.space import (
     grid,
     make_pruner,
     make_sampler,
+    max_replicas,
     parse_space,
     suggest,
 )
@@ -38,6 +39,10 @@ from kubejax.tune.space import (
 DIRECTIONS = ("maximize", "minimize")
 POLL_SECONDS = 5.0
 JOB_ATTR, OUTPUT_ATTR, STEPS_ATTR = "kubejax_job", "kubejax_output", "kubejax_steps"
+#: Workers of a trial's job, and when it started and ended (seconds since the epoch).
+WORKERS_ATTR, START_ATTR, END_ATTR = "kubejax_workers", "kubejax_start", "kubejax_end"
+#: A trial asked of Optuna but never started (it waited for workers when its sweep died).
+NOT_STARTED_ATTR = "kubejax_not_started"
 _STATE_NAMES = {
     optuna.trial.TrialState.COMPLETE: "complete",
     optuna.trial.TrialState.PRUNED: "pruned",
@@ -57,6 +62,9 @@ class SweepConfig:
     algorithm: str = _f("tpe", "grid, random, tpe or cmaes")
     max_trials: int = _f(8, "trials in the study, counting those of earlier attempts")
     parallelism: int = _f(2, "trials running at once")
+    max_workers: int = _f(
+        0, "workers all running trials may use together (a trial waits until it fits); 0 = any"
+    )
     max_failed_trials: int = _f(2, "more failed trials than this stop the sweep")
     trial_timeout: float = _f(3600.0, "seconds per trial")
     pruner: str = _f("median", "none, median, successive_halving or hyperband")
@@ -74,9 +82,18 @@ class SweepConfig:
             raise SweepError(f"algorithm: {self.algorithm!r} is not one of {', '.join(ALGORITHMS)}")
         if self.pruner not in PRUNERS:
             raise SweepError(f"pruner: {self.pruner!r} is not one of {', '.join(PRUNERS)}")
+        make_sampler(self.algorithm, self.space, self.seed)  # the space suits the algorithm
         for name in ("max_trials", "parallelism"):
             if int(getattr(self, name)) < 1:
                 raise SweepError(f"{name}: must be at least 1, got {getattr(self, name)}")
+        if self.max_workers < 0:
+            raise SweepError(f"max_workers: must be 0 or more, got {self.max_workers}")
+        top = max_replicas(self.space)
+        if self.max_workers and top and top > self.max_workers:
+            raise SweepError(
+                f"max_workers: {self.max_workers} is below the {top} workers that "
+                "search_space.replicas can give one trial"
+            )
         if self.max_failed_trials < 0:
             raise SweepError(f"max_failed_trials: must be 0 or more, got {self.max_failed_trials}")
         if self.trial_timeout <= 0:
@@ -121,7 +138,8 @@ class _Active:
     trial: optuna.Trial
     name: str
     output_dir: str
-    started: float
+    started: float  # time.monotonic(), for the trial timeout
+    workers: int = 1
     reported: int = 0  # eval records already reported
 
 
@@ -135,6 +153,7 @@ class Controller:
         self.trials_root = Path(trials_root)
         self.trials_root.mkdir(parents=True, exist_ok=True)
         self.active: dict[int, _Active] = {}
+        self.pending: tuple[optuna.Trial, dict, JAXJobSpec] | None = None  # waits for workers
         self.failures: list[str] = []
         self.study = optuna.create_study(
             study_name=cfg.study_name,
@@ -159,7 +178,7 @@ class Controller:
         """Run the study to `max_trials`; the best trial and every trial's record."""
         self.reattach()
         with delete_on_sigterm(self.client, lambda: [a.name for a in self.active.values()]):
-            while self.active or self.launched() < self.max_trials:
+            while self.active or self.pending or self.launched() < self.max_trials:
                 self.fill()
                 for number in list(self.active):
                     self.poll(number)
@@ -173,40 +192,74 @@ class Controller:
         """Follow the trials a previous attempt left running; those whose job is gone failed."""
         running = (optuna.trial.TrialState.RUNNING,)
         for ft in self.study.get_trials(deepcopy=False, states=running):
-            name = ft.user_attrs.get(JOB_ATTR)
-            try:
-                if name is None:
-                    raise KeyError(name)
-                self.client.get_job(name)
-            except KeyError:
-                self.study.tell(ft.number, state=optuna.trial.TrialState.FAIL)
-                self.log(f"sweep: trial {ft.number} was lost with the previous attempt; failed")
-                continue
             # Optuna has no public handle for a RUNNING trial of a loaded study.
             trial = optuna.trial.Trial(self.study, ft._trial_id)
-            output_dir = ft.user_attrs[OUTPUT_ATTR]
-            self.active[ft.number] = _Active(trial, name, output_dir, time.monotonic())
+            name = ft.user_attrs.get(JOB_ATTR)
+            if name is None:  # it was waiting for workers: it never ran
+                trial.set_user_attr(NOT_STARTED_ATTR, True)
+                self.study.tell(trial, state=optuna.trial.TrialState.FAIL)
+                continue
+            try:
+                self.client.get_job(name)
+            except KeyError:
+                self.study.tell(trial, state=optuna.trial.TrialState.FAIL)
+                self.log(f"sweep: trial {ft.number} was lost with the previous attempt; failed")
+                continue
+            output_dir, workers = ft.user_attrs[OUTPUT_ATTR], ft.user_attrs.get(WORKERS_ATTR, 1)
+            self.active[ft.number] = _Active(trial, name, output_dir, time.monotonic(), workers)
             self.log(f"sweep: re-attached to trial {ft.number} (job {name})")
         failed = self.study.get_trials(states=(optuna.trial.TrialState.FAIL,))
-        self.failures += [f"trial {t.number}: failed in an earlier attempt" for t in failed]
+        self.failures += [
+            f"trial {t.number}: failed in an earlier attempt"
+            for t in failed
+            if not t.user_attrs.get(NOT_STARTED_ATTR)
+        ]
 
     def launched(self) -> int:
         """Trials started so far, in this attempt and earlier ones."""
         waiting = optuna.trial.TrialState.WAITING  # enqueued grid points not yet started
         return sum(t.state != waiting for t in self.study.get_trials(deepcopy=False))
 
+    def workers_in_use(self) -> int:
+        """Workers of the trials running now."""
+        return sum(a.workers for a in self.active.values())
+
     def fill(self) -> None:
-        """Start trials until `parallelism` run or the study has `max_trials`."""
-        while len(self.active) < self.cfg.parallelism and self.launched() < self.max_trials:
-            trial = self.study.ask()
-            params = suggest(trial, self.cfg.space)
-            out_dir = str(self.trials_root / f"trial-{trial.number:03d}")
-            name = job_name(self.cfg.study_name, str(trial.number), prefix=f"trial-{trial.number}")
-            trial.set_user_attr(JOB_ATTR, name)
-            trial.set_user_attr(OUTPUT_ATTR, out_dir)
-            self.client.create_job(self.trial_spec(trial.number, params, out_dir, name))
-            self.active[trial.number] = _Active(trial, name, out_dir, time.monotonic())
-            self.log(f"sweep: trial {trial.number} started as job {name}: {params}")
+        """Start trials until `parallelism` run, the study has `max_trials`, or the next trial
+        does not fit in the worker budget (it waits, asked, for running trials to end)."""
+        while len(self.active) < self.cfg.parallelism:
+            if self.pending is None:
+                if self.launched() >= self.max_trials:
+                    return
+                trial = self.study.ask()
+                params = suggest(trial, self.cfg.space)
+                out_dir = str(self.trials_root / f"trial-{trial.number:03d}")
+                name = job_name(
+                    self.cfg.study_name, str(trial.number), prefix=f"trial-{trial.number}"
+                )
+                self.pending = (trial, params, self.trial_spec(trial.number, params, out_dir, name))
+            trial, params, spec = self.pending
+            budget = self.cfg.max_workers
+            if budget and self.workers_in_use() + spec.replicas > budget:
+                return
+            self.pending = None
+            self.start(trial, params, spec)
+
+    def start(self, trial: optuna.Trial, params: dict, spec: JAXJobSpec) -> None:
+        """Create a trial's job and follow it."""
+        out_dir = str(self.trials_root / f"trial-{trial.number:03d}")
+        trial.set_user_attr(JOB_ATTR, spec.name)
+        trial.set_user_attr(OUTPUT_ATTR, out_dir)
+        trial.set_user_attr(WORKERS_ATTR, spec.replicas)
+        trial.set_user_attr(START_ATTR, time.time())
+        self.client.create_job(spec)
+        self.active[trial.number] = _Active(
+            trial, spec.name, out_dir, time.monotonic(), spec.replicas
+        )
+        self.log(
+            f"sweep: trial {trial.number} started as job {spec.name} on {spec.replicas} "
+            f"worker(s): {params}"
+        )
 
     def poll(self, number: int) -> None:
         """Report a trial's new evals to the pruner; finish it if pruned, done or failed."""
@@ -254,6 +307,7 @@ class Controller:
         metrics = read_metrics(a.output_dir)
         steps = int(metrics.get("step", 0))
         a.trial.set_user_attr(STEPS_ATTR, steps)
+        a.trial.set_user_attr(END_ATTR, time.time())
         complete = state == optuna.trial.TrialState.COMPLETE
         self.study.tell(a.trial, value if complete else None, state=state)
         label = _STATE_NAMES[state]
@@ -268,6 +322,10 @@ class Controller:
 
     def stop(self) -> None:
         """Too many failures: delete the running trials' jobs and fail the sweep."""
+        if self.pending is not None:
+            self.pending[0].set_user_attr(NOT_STARTED_ATTR, True)
+            self.study.tell(self.pending[0], state=optuna.trial.TrialState.FAIL)
+            self.pending = None
         for a in list(self.active.values()):
             self.client.delete_job(a.name)
             self.finish(a.trial.number, optuna.trial.TrialState.FAIL, reason="sweep stopped")
@@ -277,24 +335,36 @@ class Controller:
         )
 
     def result(self) -> SweepResult:
-        """Every ended trial's record and the best one; an error if none completed."""
+        """Every trial that ran, with its record, and the best one; an error if none completed."""
         trials = [
-            {
-                "number": t.number,
-                "state": _STATE_NAMES[t.state],
-                "value": t.value,
-                "params": t.params,
-                "steps": t.user_attrs.get(STEPS_ATTR, 0),
-                "intermediate": {str(k): v for k, v in sorted(t.intermediate_values.items())},
-                "job": t.user_attrs.get(JOB_ATTR, ""),
-            }
+            _record(t)
             for t in self.study.get_trials(deepcopy=False)
-            if t.state in _STATE_NAMES
+            if t.state in _STATE_NAMES and not t.user_attrs.get(NOT_STARTED_ATTR)
         ]
         if not any(t["state"] == "complete" for t in trials):
             raise SweepError("max_trials: no trial completed; see the trials' errors above")
         best = self.study.best_trial
         return SweepResult(dict(best.params), float(best.value), best.number, trials)
+
+
+def _record(t: optuna.trial.FrozenTrial) -> dict:
+    """A trial as the sweep reports it; cost is workers × seconds its job ran."""
+    start, end = t.user_attrs.get(START_ATTR), t.user_attrs.get(END_ATTR)
+    workers = t.user_attrs.get(WORKERS_ATTR, 1)
+    seconds = (end - start) if start is not None and end is not None else None
+    return {
+        "number": t.number,
+        "state": _STATE_NAMES[t.state],
+        "value": t.value,
+        "params": t.params,
+        "steps": t.user_attrs.get(STEPS_ATTR, 0),
+        "intermediate": {str(k): v for k, v in sorted(t.intermediate_values.items())},
+        "job": t.user_attrs.get(JOB_ATTR, ""),
+        "workers": workers,
+        "start": start,
+        "end": end,
+        "worker_seconds": None if seconds is None else round(workers * seconds, 2),
+    }
 
 
 def tag_trial_run(tracker: tracking.Tracker, run_id: str, state: str) -> None:

@@ -37,6 +37,7 @@ def write_report(result: SweepResult, cfg: SweepConfig, path: str | Path) -> Non
     for t in sorted(done, key=lambda t: t["number"]):
         series.append((t["number"], t["value"]))
         best_so_far.append((t["number"], better([v for _, v in series])))
+    cost = [(t["worker_seconds"], t["value"]) for t in done if t.get("worker_seconds") is not None]
     curves = {
         f"trial {t['number']} ({t['state']})": [(int(k), v) for k, v in t["intermediate"].items()]
         for t in result.trials
@@ -47,6 +48,8 @@ def write_report(result: SweepResult, cfg: SweepConfig, path: str | Path) -> Non
             "state": t["state"],
             cfg.objective: t["value"],
             "steps": t["steps"],
+            "workers": t.get("workers", 1),
+            "worker_s": t.get("worker_seconds"),
             **t["params"],
         }
         for t in result.trials
@@ -56,7 +59,12 @@ def write_report(result: SweepResult, cfg: SweepConfig, path: str | Path) -> Non
         f"<code>{json.dumps(result.best_params)}</code>. Trials: {result.counts}; "
         f"trial-steps: {result.trial_steps}.</p>",
         report.line_chart(
-            "Optimization history", {"objective": series, "best so far": best_so_far}
+            "Optimization history (x: trial number)",
+            {"objective": series, "best so far": best_so_far},
+        ),
+        report.line_chart(
+            f"{cfg.objective} against cost (x: worker-seconds of the trial)",
+            {"objective": sorted(cost)},
         ),
         report.line_chart(f"Intermediate {cfg.objective} per trial", curves),
         "<h2>Trials</h2>" + report.table(rows),
@@ -76,8 +84,9 @@ def _importance(result: SweepResult, cfg: SweepConfig) -> dict[str, float]:
     study = optuna.create_study(direction=cfg.direction)
     dists = distributions(cfg.space)
     for t in complete:
+        own = {name: dists[name] for name in t["params"]}  # conditional dimensions may be absent
         study.add_trial(
-            optuna.trial.create_trial(params=t["params"], distributions=dists, value=t["value"])
+            optuna.trial.create_trial(params=t["params"], distributions=own, value=t["value"])
         )
     try:
         return optuna.importance.get_param_importances(study)

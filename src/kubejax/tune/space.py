@@ -19,11 +19,23 @@ class SweepError(KubejaxError, RuntimeError):
     """The sweep cannot go on (bad space, too many failed trials)."""
 
 
+#: Search dimensions that are not trainer settings: the trial job's worker count.
+RESOURCE_PARAMS = ("replicas",)
+_KEYS = {
+    "float": {"type", "low", "high", "log", "step", "when"},
+    "int": {"type", "low", "high", "log", "step", "when"},
+    "categorical": {"type", "choices", "when"},
+}
+
+
 def parse_space(space: str | dict) -> dict[str, dict]:
     """Validate a search space (JSON text or dict); errors name the bad entry.
 
     Entries: {"type": "float", "low", "high", "log"?, "step"?}, {"type": "int", "low", "high",
-    "step"?, "log"?}, {"type": "categorical", "choices": [...]}.
+    "step"?, "log"?}, {"type": "categorical", "choices": [...]}. Any entry may carry
+    "when": {earlier entry: value or [values]}: the dimension exists only in trials where that
+    holds (Optuna's define-by-run), e.g. Lion's b1 only when optimizer is lion. `replicas`
+    (workers per trial: positive integers) sits beside the trainer settings.
     """
     if isinstance(space, str):
         try:
@@ -32,58 +44,102 @@ def parse_space(space: str | dict) -> dict[str, dict]:
             raise SweepError(f"search_space: not valid JSON ({err})") from err
     if not isinstance(space, dict) or not space:
         raise SweepError("search_space: must be a non-empty JSON object of name → entry")
-    out = {}
+    out: dict[str, dict] = {}
     for name, entry in space.items():
-        where = f"search_space.{name}"
-        if not isinstance(entry, dict):
-            raise SweepError(f"{where}: must be an object with a 'type'")
-        kind = entry.get("type")
-        if kind not in PARAM_TYPES:
-            raise SweepError(f"{where}.type: {kind!r} is not one of {', '.join(PARAM_TYPES)}")
-        allowed = {
-            "float": {"type", "low", "high", "log", "step"},
-            "int": {"type", "low", "high", "log", "step"},
-            "categorical": {"type", "choices"},
-        }[kind]
-        unknown = set(entry) - allowed
-        if unknown:
-            raise SweepError(f"{where}: unknown keys {sorted(unknown)}; allowed {sorted(allowed)}")
-        if kind == "categorical":
-            choices = entry.get("choices")
-            if not isinstance(choices, list) or not choices:
-                raise SweepError(f"{where}.choices: must be a non-empty list")
-        else:
-            num = float if kind == "float" else int
-            for key in ("low", "high"):
-                v = entry.get(key)
-                if (
-                    not isinstance(v, int | float)
-                    or isinstance(v, bool)
-                    or (kind == "int" and not float(v).is_integer())
-                ):
-                    raise SweepError(
-                        f"{where}.{key}: must be a{'n integer' if kind == 'int' else ' number'}"
-                    )
-            if entry["low"] >= entry["high"]:
-                raise SweepError(
-                    f"{where}: low ({entry['low']}) must be below high ({entry['high']})"
-                )
-            if entry.get("log") and entry["low"] <= 0:
-                raise SweepError(f"{where}.low: must be positive with log scale")
-            if entry.get("log") and entry.get("step") is not None and kind == "float":
-                raise SweepError(f"{where}: step and log cannot be combined")
-            step = entry.get("step")
-            if step is not None and (not isinstance(step, int | float) or step <= 0):
-                raise SweepError(f"{where}.step: must be positive")
-            entry = {**entry, "low": num(entry["low"]), "high": num(entry["high"])}
-        out[name] = entry
+        out[name] = _parse_entry(f"search_space.{name}", entry, out)
+    if "replicas" in out:
+        _check_replicas(out["replicas"])
     return out
 
 
+def _parse_entry(where: str, entry, earlier: dict[str, dict]) -> dict:
+    if not isinstance(entry, dict):
+        raise SweepError(f"{where}: must be an object with a 'type'")
+    kind = entry.get("type")
+    if kind not in PARAM_TYPES:
+        raise SweepError(f"{where}.type: {kind!r} is not one of {', '.join(PARAM_TYPES)}")
+    unknown = set(entry) - _KEYS[kind]
+    if unknown:
+        raise SweepError(f"{where}: unknown keys {sorted(unknown)}; allowed {sorted(_KEYS[kind])}")
+    if "when" in entry:
+        _check_when(where, entry["when"], earlier)
+    if kind == "categorical":
+        choices = entry.get("choices")
+        if not isinstance(choices, list) or not choices:
+            raise SweepError(f"{where}.choices: must be a non-empty list")
+        return entry
+    for key in ("low", "high"):
+        v = entry.get(key)
+        if (
+            not isinstance(v, int | float)
+            or isinstance(v, bool)
+            or (kind == "int" and not float(v).is_integer())
+        ):
+            raise SweepError(
+                f"{where}.{key}: must be a{'n integer' if kind == 'int' else ' number'}"
+            )
+    if entry["low"] >= entry["high"]:
+        raise SweepError(f"{where}: low ({entry['low']}) must be below high ({entry['high']})")
+    if entry.get("log") and entry["low"] <= 0:
+        raise SweepError(f"{where}.low: must be positive with log scale")
+    if entry.get("log") and entry.get("step") is not None and kind == "float":
+        raise SweepError(f"{where}: step and log cannot be combined")
+    step = entry.get("step")
+    if step is not None and (not isinstance(step, int | float) or step <= 0):
+        raise SweepError(f"{where}.step: must be positive")
+    num = float if kind == "float" else int
+    return {**entry, "low": num(entry["low"]), "high": num(entry["high"])}
+
+
+def _check_when(where: str, when, earlier: dict[str, dict]) -> None:
+    if not isinstance(when, dict) or not when:
+        raise SweepError(f"{where}.when: must be an object of earlier entry → value(s)")
+    for name, values in when.items():
+        if name not in earlier:
+            raise SweepError(
+                f"{where}.when: {name!r} is not an entry above this one "
+                f"(known: {', '.join(earlier) or 'none'})"
+            )
+        choices = earlier[name].get("choices")
+        for value in values if isinstance(values, list) else [values]:
+            if choices is not None and value not in choices:
+                raise SweepError(f"{where}.when.{name}: {value!r} is not one of {choices}")
+
+
+def _check_replicas(entry: dict) -> None:
+    values = entry.get("choices") or [entry.get("low")]
+    if entry["type"] == "float" or not all(
+        isinstance(v, int) and not isinstance(v, bool) and v >= 1 for v in values
+    ):
+        raise SweepError(
+            "search_space.replicas: workers per trial must be positive integers "
+            "(an int range or integer choices)"
+        )
+
+
+def max_replicas(space: dict[str, dict]) -> int | None:
+    """The largest worker count the space can give a trial (None: not searched)."""
+    entry = space.get("replicas")
+    if entry is None:
+        return None
+    return max(entry["choices"]) if entry["type"] == "categorical" else entry["high"]
+
+
+def applies(entry: dict, params: dict) -> bool:
+    """Whether a dimension exists for a trial with these earlier `params` (its `when`)."""
+    return all(
+        params.get(name) in (values if isinstance(values, list) else [values])
+        for name, values in entry.get("when", {}).items()
+    )
+
+
 def suggest(trial: optuna.Trial, space: dict[str, dict]) -> dict[str, Any]:
-    """Parameter values for one trial."""
-    params = {}
+    """Parameter values for one trial, define-by-run: a dimension whose `when` does not hold
+    for the values chosen above it is not suggested at all."""
+    params: dict[str, Any] = {}
     for name, e in space.items():
+        if not applies(e, params):
+            continue
         if e["type"] == "float":
             params[name] = trial.suggest_float(
                 name, e["low"], e["high"], log=bool(e.get("log")), step=e.get("step")
@@ -100,6 +156,11 @@ def suggest(trial: optuna.Trial, space: dict[str, dict]) -> dict[str, Any]:
 def _grid_axes(space: dict[str, dict]) -> dict[str, list]:
     grid = {}
     for name, e in space.items():
+        if "when" in e:
+            raise SweepError(
+                f"search_space.{name}.when: grid search runs every combination; conditional "
+                "dimensions need random or tpe"
+            )
         if e["type"] == "categorical":
             grid[name] = list(e["choices"])
         elif e.get("step") is not None:
@@ -173,9 +234,10 @@ def distributions(space: dict[str, dict]) -> dict:
 
 
 def lowest_point(space: dict[str, dict]) -> dict:
-    """A point of the search space (every dimension at its first value), to type-check the
-    names and values a trial will pass to the trainer."""
-    return {
-        name: e["choices"][0] if e["type"] == "categorical" else e["low"]
-        for name, e in space.items()
-    }
+    """A point of the search space (every dimension at its first value, conditional ones where
+    they apply), to type-check the names and values a trial will pass to the trainer."""
+    point: dict = {}
+    for name, e in space.items():
+        if applies(e, point):
+            point[name] = e["choices"][0] if e["type"] == "categorical" else e["low"]
+    return point
