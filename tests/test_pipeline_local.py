@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import io
 import json
+import os
 from pathlib import Path
 
 import pytest
@@ -13,6 +14,8 @@ from google.protobuf import json_format
 from kubejax.compile import compile_all
 
 ROOT = Path(__file__).parents[1]
+SECRET_ENV = ("MLFLOW_TRACKING_PASSWORD", "MLFLOW_TRACKING_TOKEN")
+SECRET_MARKER = "kubejax-secret-marker-5b1f0c"
 
 
 @pytest.fixture(scope="module")
@@ -41,8 +44,31 @@ def local_run(tmp_path_factory, tiny_model_dir):
         "max_test_samples=200",
     ]
     terminal = io.StringIO()
-    summary = run_local(workdir, overrides, terminal=terminal)
+    # MLflow credentials set as a user would (they reach the steps through the environment):
+    # test_no_secret_* looks for the marker everywhere the run wrote.
+    saved = {name: os.environ.get(name) for name in SECRET_ENV}
+    os.environ.update(dict.fromkeys(SECRET_ENV, SECRET_MARKER))
+    try:
+        summary = run_local(workdir, overrides, terminal=terminal)
+    finally:
+        for name, value in saved.items():
+            if value is None:
+                os.environ.pop(name, None)
+            else:
+                os.environ[name] = value
     return workdir, summary, terminal.getvalue()
+
+
+@pytest.mark.slow
+def test_no_secret_in_files_logs_or_the_mlflow_store(local_run):
+    """Every file the run wrote (artifacts, logs of the tasks and workers, the sqlite MLflow
+    store with its params and tags, summary.json), the terminal and compiled/: no secret."""
+    workdir, _, printed = local_run
+    marker = SECRET_MARKER.encode()
+    files = [f for f in [*workdir.rglob("*"), *(ROOT / "compiled").rglob("*")] if f.is_file()]
+    assert any(f.name.endswith(".db") for f in files) and any(f.suffix == ".log" for f in files)
+    leaked = [str(f) for f in files if marker in f.read_bytes()]
+    assert leaked == [] and SECRET_MARKER not in printed
 
 
 def _artifact(workdir: Path, task: str, name: str) -> Path:

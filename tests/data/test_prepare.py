@@ -267,3 +267,35 @@ def test_cli_prepare_and_its_errors(tmp_path, minilm_dir, yelp_dir, capsys):
     assert code == 2
     assert "label_column" in capsys.readouterr().err
     assert not (tmp_path / "x").exists()
+
+
+def test_an_output_that_cannot_take_the_dataset_is_refused_before_any_work(
+    tmp_path, minilm_dir, yelp_dir, capsys
+):
+    blocker = tmp_path / "a-file"
+    blocker.write_text("mine")
+    owned = tmp_path / "owned"
+    owned.mkdir()
+    (owned / "notes.txt").write_text("mine too")
+    cases = [
+        (blocker, f"output: {blocker} is a file, not a folder"),
+        (blocker / "data", f"output: cannot write in {blocker}"),
+        (owned, f"output: {owned} exists and is not empty"),
+    ]
+    for output, expected in cases:
+        argv = ["prepare", "--tokenizer", str(minilm_dir), "--source", str(yelp_dir)]
+        assert cli_main([*argv, "--output", str(output)]) == 2
+        err = capsys.readouterr().err
+        assert expected in err and "Traceback" not in err, err
+    assert blocker.read_text() == "mine" and (owned / "notes.txt").read_text() == "mine too"
+
+
+def test_a_model_folder_without_tokenizer_files_says_which_are_missing(tmp_path, yelp_dir, capsys):
+    folder = tmp_path / "model-without-tokenizer"
+    folder.mkdir()
+    (folder / "config.json").write_text("{}")
+    argv = ["prepare", "--tokenizer", str(folder), "--source", str(yelp_dir)]
+    assert cli_main([*argv, "--output", str(tmp_path / "out")]) == 2
+    err = capsys.readouterr().err
+    assert "has neither tokenizer.json nor vocab.txt" in err
+    assert not (tmp_path / "out").exists()

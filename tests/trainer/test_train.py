@@ -156,6 +156,9 @@ BAD_INPUTS = [
     ("batch larger than data", {"global_batch_size": 100000}, "global_batch_size:"),
     ("accumulation not dividing the batch", {"grad_accum_steps": 3}, "global_batch_size:"),
     ("unknown schedule", {"schedule": "step"}, "schedule:"),
+    ("learning rate not a number", {"learning_rate": "nan"}, "learning_rate: must be a finite"),
+    ("infinite warmup", {"warmup_ratio": "inf"}, "warmup_ratio: must be a finite"),
+    ("unknown optimizer", {"optimizer": "adam"}, "optimizer: 'adam' is not one of"),
 ]
 
 
@@ -274,3 +277,84 @@ def test_gradient_accumulation_rises_until_the_micro_batch_fits(devices, accum):
     cfg.fit_to_devices(devices)
     assert cfg.grad_accum_steps == accum
     assert 32 // accum // devices <= 4
+
+
+def test_rows_longer_than_the_models_positions_are_refused(tmp_path, capsys, minilm_dir, prepared):
+    """Data prepared at max_length 64 and a model of 32 positions: refused before training
+    (positions past the table would otherwise train on NaN)."""
+    scratch = json.dumps(
+        {
+            "hidden_size": 32,
+            "num_hidden_layers": 1,
+            "num_attention_heads": 2,
+            "intermediate_size": 64,
+            "max_position_embeddings": 32,
+        }
+    )
+    flags = {"model": "scratch", "scratch_config": scratch, "tokenizer": str(minilm_dir)}
+    out = tmp_path / "out"
+    assert trainer_main(tiny_args(minilm_dir, prepared, out, **flags)) == 2
+    err = capsys.readouterr().err
+    assert "max_length: rows of" in err and "than the 32 positions of the model" in err
+    assert not (out / "model").exists()
+    # Truncating to the model's positions is the documented way through.
+    assert (
+        trainer_main(tiny_args(minilm_dir, prepared, out, max_length=32, max_steps=2, **flags)) == 0
+    )
+
+
+def test_a_diverging_loss_stops_the_run_naming_the_step(tmp_path, capsys, tiny_model_dir, prepared):
+    out = tmp_path / "out"
+    flags = {"optimizer": "sgd", "learning_rate": 1e8, "max_grad_norm": 0, "warmup_ratio": 0.0}
+    assert trainer_main(tiny_args(tiny_model_dir, prepared, out, **flags)) == 2
+    err = capsys.readouterr().err
+    assert "training stopped" in err and " at step " in err
+    metrics = json.loads((out / "metrics.json").read_text())
+    assert metrics["status"] == "failed" and not np.isfinite(metrics["train"][-1]["loss"])
+    assert not (out / "model").exists()
+
+
+def _damage(step_dir: Path) -> None:
+    for f in step_dir.rglob("*"):
+        if f.is_file() and f.stat().st_size > 0:
+            f.write_bytes(f.read_bytes()[: f.stat().st_size // 3])
+
+
+def test_an_unreadable_checkpoint_falls_back_to_the_one_before(
+    tmp_path, capsys, tiny_model_dir, prepared
+):
+    out = tmp_path / "out"
+    flags = {"max_steps": 4, "checkpoint_every": 2}
+    assert trainer_main(tiny_args(tiny_model_dir, prepared, out, **flags)) == 0
+    _damage(out / "checkpoints" / "4")
+    assert (
+        trainer_main(tiny_args(tiny_model_dir, prepared, out, max_steps=6, checkpoint_every=2)) == 0
+    )
+    printed = capsys.readouterr().out
+    assert "checkpoint 4 is unreadable" in printed and "resumed at step 2" in printed
+    # None readable: refused, naming the folder, unless a fresh start is asked for.
+    for step in (4, 6):
+        _damage(out / "checkpoints" / str(step))
+    assert trainer_main(tiny_args(tiny_model_dir, prepared, out, max_steps=6)) == 2
+    assert f"output_dir: no readable checkpoint in {out.resolve() / 'checkpoints'}" in (
+        capsys.readouterr().err
+    )
+    args = [*tiny_args(tiny_model_dir, prepared, out, max_steps=6), "--allow-fresh-start"]
+    assert trainer_main(args) == 0
+    assert "starting fresh" in capsys.readouterr().out
+
+
+def test_a_damaged_model_folder_is_refused_naming_it(tmp_path, capsys, tiny_model_dir, prepared):
+    import shutil
+
+    model = tmp_path / "model"
+    shutil.copytree(tiny_model_dir, model)
+    weights_file = model / "model.safetensors"
+    weights_file.write_bytes(weights_file.read_bytes()[:1000])
+    assert trainer_main(tiny_args(model, prepared, tmp_path / "out")) == 2
+    assert f"model: {model}" in capsys.readouterr().err
+    shutil.copy(tiny_model_dir / "model.safetensors", weights_file)
+    config = json.loads((model / "config.json").read_text())
+    (model / "config.json").write_text(json.dumps({**config, "hidden_size": "wide"}))
+    assert trainer_main(tiny_args(model, prepared, tmp_path / "out2")) == 2
+    assert "model:" in capsys.readouterr().err

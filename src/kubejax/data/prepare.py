@@ -334,6 +334,7 @@ def prepare_yelp(cfg: PrepareConfig, out_dir: str | Path, progress: bool = True)
 
     The folder appears only when complete: it is built beside `out_dir` and renamed into place.
     """
+    check_output_dir(Path(out_dir))
     try:
         tok = load_tokenizer(cfg.tokenizer, cfg.max_length)
     except TokenizerError as err:
@@ -443,6 +444,23 @@ def _tokenize_split(df: pd.DataFrame, split: str, tok, cfg: PrepareConfig, progr
         "length_histogram": np.histogram(lengths, bins=32, range=(0, cfg.max_length))[0].tolist(),
     }
     return table, stats
+
+
+def check_output_dir(out_dir: Path) -> None:
+    """Refuse, before any work, an output that is a file, a folder already holding something
+    (nothing a user wrote is overwritten), or a place that cannot be written."""
+    if out_dir.exists() and not out_dir.is_dir():
+        raise PrepareError(f"output: {out_dir} is a file, not a folder")
+    if out_dir.is_dir() and any(out_dir.iterdir()):
+        raise PrepareError(f"output: {out_dir} exists and is not empty")
+    parent = out_dir.parent
+    try:
+        parent.mkdir(parents=True, exist_ok=True)
+        tempfile.TemporaryDirectory(dir=parent).cleanup()
+    except OSError as err:
+        raise PrepareError(
+            f"output: cannot write in {parent} ({err.strerror or type(err).__name__})"
+        ) from err
 
 
 def _write_atomically(tables: dict, metadata: dict, out_dir: Path, progress: bool) -> None:

@@ -117,6 +117,11 @@ def load_tokenizer(name: str, max_length: int) -> Encoder:
     else:
         from transformers import AutoConfig, AutoTokenizer
 
+        if path.is_dir() and not (path / "vocab.txt").is_file():
+            raise TokenizerError(
+                f"tokenizer: the folder {path} has neither tokenizer.json nor vocab.txt (the "
+                "files of a BERT-family tokenizer); copy them from the model's original folder"
+            )
         try:
             tok = AutoTokenizer.from_pretrained(name, use_fast=True).backend_tokenizer
             positions = getattr(AutoConfig.from_pretrained(name), "max_position_embeddings", None)

@@ -7,6 +7,7 @@ mid-save leaves no checkpoint that looks valid.
 
 from __future__ import annotations
 
+import time
 from pathlib import Path
 
 import jax
@@ -26,6 +27,26 @@ class Checkpointer:
     def latest_step(self) -> int | None:
         """The step of the newest complete checkpoint, if any."""
         return self.manager.latest_step()
+
+    def set_aside(self, steps: list[int]) -> Path:
+        """Move unreadable checkpoints out of the way (kept for a look, never deleted), so the
+        run can save those steps again; every process calls it, process 0 moves."""
+        aside = self.directory.parent / "checkpoints-unreadable"
+        if jax.process_index() == 0:
+            aside.mkdir(exist_ok=True)
+            for step in steps:
+                target = aside / f"{step}-{int(time.time())}"
+                (self.directory / str(step)).rename(target)
+        if jax.process_count() > 1:
+            from jax.experimental import multihost_utils
+
+            multihost_utils.sync_global_devices("kubejax-checkpoints-set-aside")
+        self.manager.reload()
+        return aside
+
+    def all_steps(self) -> list[int]:
+        """Every checkpoint step present, oldest first."""
+        return sorted(self.manager.all_steps())
 
     def save(self, step: int, state: dict, meta: dict) -> None:
         """Start saving `state` at `step` (asynchronously; `wait` before exit)."""

@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import math
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -80,6 +81,9 @@ class TrainConfig:
     max_eval_examples: int = _f(0, "cap on validation examples per evaluation; 0 = all")
     checkpoint_every: int = _f(0, "save an Orbax checkpoint every N steps; 0 = at the end only")
     keep_checkpoints: int = _f(2, "checkpoints kept in output_dir/checkpoints")
+    allow_fresh_start: bool = _f(
+        False, "start from step 0 when output_dir holds checkpoints but none can be read"
+    )
     log_every: int = _f(10, "log step metrics and print progress every N steps")
     coordinator_timeout: int = _f(
         300, "seconds to wait for every process of the job to join (slow pod start-up)"
@@ -97,6 +101,10 @@ class TrainConfig:
         """Check every field once; raise ConfigError naming the first bad one. Without
         `check_paths` (a launcher checking settings before it submits a job whose pods see
         other files), folders are not looked at."""
+        for f in dataclasses.fields(self):
+            value = getattr(self, f.name)
+            if isinstance(value, float) and not math.isfinite(value):
+                raise ConfigError(f"{f.name}: must be a finite number, got {value}")
         if not self.model:
             raise ConfigError("model: required (hub id, local folder or 'scratch')")
         if self.model == "scratch":

@@ -42,12 +42,35 @@ from kubejax.trainer.steps import make_eval_step, make_train_step
 log = logging.getLogger("kubejax.trainer")
 
 
+class DivergedError(KubejaxError, RuntimeError):
+    """The loss became NaN or infinite; the message names the step."""
+
+
 # ---------------------------------------------------------------------------------------------
 # Model and optimizer
 
 
-def build_model(cfg: TrainConfig, num_labels: int) -> tuple[BertClassifier, Path | None, list]:
-    """The classifier with pretrained weights (or fresh for 'scratch'), its tokenizer folder."""
+def build_model(cfg: TrainConfig, data: TrainData) -> tuple[BertClassifier, Path | None, list]:
+    """The classifier with pretrained weights (or fresh for 'scratch'), its tokenizer folder and
+    the parts initialised fresh; refused when the data's rows are longer than its positions."""
+    try:
+        model, tokenizer_dir, fresh = _build_model(cfg, data.num_labels)
+    except (TypeError, ValueError) as err:  # a config.json or weights of the wrong shape or type
+        raise ConfigError(f"model: {cfg.model} is not a usable BERT checkpoint ({err})") from err
+    positions = model.config.max_position_embeddings
+    longest = int(max(data.train.lengths.max(), data.val.lengths.max(initial=0)))
+    padded = dataset.bucket_length(longest, cfg.bucket_multiple, cfg.max_length)
+    if padded > positions:
+        raise ConfigError(
+            f"max_length: rows of {cfg.data_dir} run to {longest} tokens (padded {padded}), more "
+            f"than the {positions} positions of the model; set max_length to {positions} or "
+            "less (longer rows are truncated) or prepare the data with that max_length"
+        )
+    return model, tokenizer_dir, fresh
+
+
+def _build_model(cfg: TrainConfig, num_labels: int):
+    from safetensors import SafetensorError
     from transformers import BertConfig
 
     dtype = jnp.bfloat16 if cfg.dtype == "bfloat16" else jnp.float32
@@ -59,8 +82,8 @@ def build_model(cfg: TrainConfig, num_labels: int) -> tuple[BertClassifier, Path
             model_dir = weights.resolve_model_dir(cfg.model)
             model_cfg = weights.load_config(model_dir)
             tensors = weights.read_tensors(model_dir)
-        except (FileNotFoundError, RuntimeError, ValueError) as err:
-            raise ConfigError(str(err)) from err
+        except (OSError, RuntimeError, ValueError, TypeError, SafetensorError) as err:
+            raise ConfigError(f"model: {cfg.model}: {err}") from err
     if cfg.dropout is not None:
         model_cfg.hidden_dropout_prob = cfg.dropout
         model_cfg.attention_probs_dropout_prob = cfg.dropout
@@ -228,22 +251,50 @@ def host_learning_rates(cfg: TrainConfig, total_steps: int) -> np.ndarray:
 
 
 def restore_latest(ckpt: Checkpointer, cfg: TrainConfig, params, opt_state):
-    """The state of the latest checkpoint, if any: params, optimizer state, the step to go on
-    from and the metric history so far. A checkpoint made with another optimizer is refused
-    (its state could not be read into this one's)."""
-    latest = ckpt.latest_step()
-    if latest is None:
-        return params, opt_state, 0, {"train": [], "evals": []}
-    saved_optimizer = ckpt.metadata(latest).get("config", {}).get("optimizer", "adamw")
+    """The state of the newest readable checkpoint, if any: params, optimizer state, the step
+    to go on from and the metric history so far. An unreadable checkpoint (truncated, corrupt)
+    is passed over for the one before, saying so; when checkpoints exist but none can be read,
+    the run fails naming the folder unless `allow_fresh_start`. A checkpoint made with another
+    optimizer is refused (its state could not be read into this one's)."""
+    steps, unreadable, problems = ckpt.all_steps(), [], []
+    restored = None
+    for step in sorted(steps, reverse=True):
+        try:
+            meta = ckpt.metadata(step)
+            _check_same_optimizer(cfg, meta, step)
+            restored = ckpt.restore(step, {"params": params, "opt_state": opt_state})
+            break
+        except ConfigError:
+            raise
+        except Exception as err:  # Orbax reports damaged files in many error types
+            unreadable.append(step)
+            problems.append(f"step {step}: {type(err).__name__}: {str(err)[:200]}")
+            print(f"kubejax trainer: checkpoint {step} is unreadable ({type(err).__name__})")
+    if unreadable and (restored is not None or cfg.allow_fresh_start):
+        aside = ckpt.set_aside(unreadable)
+        print(f"kubejax trainer: unreadable checkpoints {unreadable} moved to {aside}")
+    if restored is not None:
+        state, saved = restored
+        history = saved.get("history", {"train": [], "evals": []})
+        return state["params"], state["opt_state"], saved["step"], history
+    if unreadable and not cfg.allow_fresh_start:
+        raise ConfigError(
+            f"output_dir: no readable checkpoint in {ckpt.directory} ({'; '.join(problems)}); "
+            "move it away or set allow_fresh_start to train from step 0"
+        )
+    if unreadable:
+        print(f"kubejax trainer: no readable checkpoint in {ckpt.directory}; starting fresh")
+    return params, opt_state, 0, {"train": [], "evals": []}
+
+
+def _check_same_optimizer(cfg: TrainConfig, meta: dict, step: int) -> None:
+    saved_optimizer = meta.get("config", {}).get("optimizer", "adamw")
     if saved_optimizer != cfg.optimizer:
         raise ConfigError(
-            f"optimizer: {cfg.optimizer!r}, but the checkpoint at step {latest} in "
+            f"optimizer: {cfg.optimizer!r}, but the checkpoint at step {step} in "
             f"{cfg.output_dir} was made with {saved_optimizer!r}; resume with {saved_optimizer!r}"
             " or train into a fresh output_dir"
         )
-    state, saved = ckpt.restore(latest, {"params": params, "opt_state": opt_state})
-    history = saved.get("history", {"train": [], "evals": []})
-    return state["params"], state["opt_state"], saved["step"], history
 
 
 def train_batches(cfg: TrainConfig, data: TrainData, start_step: int):
@@ -361,6 +412,8 @@ class Progress:
 
     def _record(self, step: int, metrics) -> None:
         m = {k: float(v) for k, v in jax.device_get(metrics).items()}
+        if not math.isfinite(m["loss"]):
+            self.diverged(step + 1, m["loss"])
         w = self.window
         w["examples"] += self.cfg.global_batch_size
         w["tokens"] += m.pop("tokens")
@@ -385,6 +438,17 @@ class Progress:
             f" | ETA {_eta(eta)}"
         )
         w.update(t=time.monotonic(), examples=0, tokens=0.0, steps=0)
+
+    def diverged(self, step: int, loss: float) -> None:
+        """Stop on a non-finite loss: it is logged (visible in MLflow and metrics.json), and
+        the run fails naming the step instead of training on to a NaN model."""
+        self.tracker.log_metrics({"loss": loss}, step=step)
+        self.history["train"].append({"step": step, "loss": loss})
+        self.write("failed", step)
+        raise DivergedError(
+            f"loss: {loss} at step {step}; training stopped (lower learning_rate, raise "
+            "warmup_ratio or max_grad_norm clipping, or check the data)"
+        )
 
     def evaluated(self, step: int, result: dict) -> dict:
         """Record an evaluation of the validation split."""
@@ -461,7 +525,7 @@ def train_and_evaluate(cfg: TrainConfig) -> dict:
     total = data.total_steps
 
     # Model and optimizer, replicated on the mesh; resumed from the latest checkpoint.
-    model, tokenizer_dir, fresh = build_model(cfg, data.num_labels)
+    model, tokenizer_dir, fresh = build_model(cfg, data)
     graphdef, params = nnx.split(model)
     host_lr = host_learning_rates(cfg, total)
     tx = make_optimizer(cfg)
@@ -469,7 +533,7 @@ def train_and_evaluate(cfg: TrainConfig) -> dict:
     opt_state = jax.jit(tx.init, out_shardings=distributed.replicated(mesh))(params)
     ckpt = Checkpointer(out, cfg.keep_checkpoints)
     params, opt_state, start_step, history = restore_latest(ckpt, cfg, params, opt_state)
-    resumed = ckpt.latest_step() is not None
+    resumed = start_step > 0
 
     tracker = start_tracker(cfg, data, resumed=resumed)
     system_monitor = tracker.start_system_metrics("worker-0")  # None on processes 1+

@@ -60,7 +60,12 @@ def load_config(model_dir: Path) -> BertConfig:
     config_file = model_dir / "config.json"
     if not config_file.is_file():
         raise FileNotFoundError(f"model: {model_dir} has no config.json")
-    cfg = BertConfig.from_pretrained(str(model_dir))
+    from huggingface_hub.errors import StrictDataclassError
+
+    try:
+        cfg = BertConfig.from_pretrained(str(model_dir))
+    except (StrictDataclassError, TypeError) as err:  # a field of the wrong type
+        raise ValueError(f"{config_file}: {err}") from err
     if cfg.model_type != "bert":
         raise ValueError(f"model: model_type {cfg.model_type!r} is not supported (bert)")
     return cfg
