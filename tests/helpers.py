@@ -84,3 +84,15 @@ def assert_same_training(before: dict, a: dict, b: dict, rel: float) -> None:
                 assert float(np.abs(u).max()) <= 0.01 * typical, k
             continue
         assert_close_to_scale(ub, ua, rel, what=k)
+
+
+def assert_self_contained_report(text: str, figures: int) -> None:
+    """An HTML report as the KFP UI's sandboxed viewer needs it: at least `figures` inline SVG
+    figures, no script, and no reference to anything outside the file (the only URLs are
+    XML namespace names, which are never fetched)."""
+    import re
+
+    assert text.count("<svg") >= figures, text.count("<svg")
+    assert "<script" not in text.lower()
+    outside = re.sub(r'xmlns(:\w+)?="[^"]*"', "", text)
+    assert "http" not in outside and "src=" not in outside

@@ -70,7 +70,8 @@ def evaluate_model(
             f"{meta['num_labels']}"
         )
     t0 = time.perf_counter()
-    logits = predict_logits(model, data, batch_size, int(meta.get("max_length", 512)))
+    max_length = int(meta.get("max_length", 512))
+    logits = predict_logits(model, data, batch_size, max_length, progress=True)
     elapsed = time.perf_counter() - t0
     preds = logits.argmax(-1)
     top = logits.max(-1, keepdims=True)
@@ -112,13 +113,46 @@ def write_eval_report(result: dict, path: str | Path) -> None:
         k: result[k]
         for k in ("accuracy", "macro_f1", "loss", "majority_baseline", "examples", "examples_per_s")
     }
+    figures = evaluation_figures(result)
     sections = [
         report.table([head]),
+        *(report.svg(fig) for fig in figures.values()),
         "<h2>Per class</h2>" + report.table(per_class),
         "<h2>Confusion matrix</h2>" + report.table(cm_rows),
-        report.bar_chart("F1 per class", names, result["f1"]),
     ]
+    report.close(figures.values())
     Path(path).write_text(report.page("Evaluation", sections))
+
+
+def evaluation_figures(result: dict) -> dict:
+    """The evaluation's figures by file name: the confusion matrix as heat maps (counts, and
+    each true class's row normalised to 1) and F1 per class."""
+    names = result["label_names"]
+    counts = np.asarray(result["confusion_matrix"], dtype=float)
+    rows = counts / np.maximum(counts.sum(axis=1, keepdims=True), 1)
+    figures = {}
+    for key, values, fmt, label in (
+        ("confusion_matrix.svg", counts, "{:.0f}", "examples"),
+        ("confusion_matrix_normalized.svg", rows, "{:.2f}", "share of the true class"),
+    ):
+        size = (1.2 + 0.75 * len(names), 0.9 + 0.65 * len(names))
+        title = "Confusion matrix" + (" (row-normalised)" if values is rows else " (counts)")
+        fig, ax = report.new_figure(title, "predicted label", "true label", size=size)
+        ax.grid(False)
+        image = ax.imshow(values, cmap="Blues")
+        ax.set_xticks(range(len(names)), names, rotation=45, ha="right")
+        ax.set_yticks(range(len(names)), names)
+        top = values.max() or 1
+        for (i, j), v in np.ndenumerate(values):
+            colour = "white" if v > top / 2 else "black"
+            ax.text(j, i, fmt.format(v), ha="center", va="center", color=colour, fontsize=8)
+        fig.colorbar(image, ax=ax, label=label)
+        figures[key] = fig
+    fig, ax = report.new_figure("F1 per class", "class", "F1 (test split)")
+    ax.bar(names, result["f1"])
+    ax.set_ylim(0, 1)
+    figures["f1_per_class.svg"] = fig
+    return figures
 
 
 def summary(result: dict) -> dict:
@@ -191,6 +225,10 @@ def evaluate_task(
     )
     tracker.log_artifact(predictions, "evaluation")
     tracker.log_artifact(report_path, "evaluation")
+    figures = evaluation_figures(result)
+    for name, fig in figures.items():
+        tracker.log_figure(fig, f"evaluation/{name}")
+    report.close(figures.values())
     model_uri = ""
     if log_model and tracker.run_id:
         import pandas as pd

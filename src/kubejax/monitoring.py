@@ -13,8 +13,12 @@ import os
 import threading
 import time
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from kubejax import report
+
+if TYPE_CHECKING:
+    from matplotlib.figure import Figure
 
 SAMPLE_SECONDS = 2.0
 
@@ -102,41 +106,48 @@ def read_worker_summaries(output_dir: str | Path) -> list[dict]:
     return [{"worker": int(p.stem.split("-")[1]), **json.loads(p.read_text())} for p in files]
 
 
+def training_figures(metrics: dict, resources: list[dict]) -> dict[str, Figure]:
+    """The training run's figures by file name: loss and accuracy (eval points as markers),
+    the learning rate (log scale), throughput, and each worker's memory and CPU."""
+    train, evals = metrics.get("train", []), metrics.get("evals", [])
+    steps = [r["step"] for r in train]
+    figures = {}
+    for key, label in (("loss", "cross-entropy loss"), ("accuracy", "accuracy")):
+        fig, ax = report.new_figure(label.capitalize(), "optimizer step", label)
+        ax.plot(steps, [r.get(key) for r in train], label=f"train {key} (batch)")
+        ax.plot(
+            [r["step"] for r in evals],
+            [r[f"eval_{key}"] for r in evals],
+            "o-",
+            label=f"eval {key} (validation)",
+        )
+        ax.legend()
+        figures[f"{key}.svg"] = fig
+    fig, ax = report.new_figure("Learning rate", "optimizer step", "learning rate")
+    rates = [(r["step"], r["learning_rate"]) for r in train if r.get("learning_rate")]
+    if rates:
+        ax.plot(*zip(*rates, strict=True))
+        ax.set_yscale("log")
+    figures["learning_rate.svg"] = fig
+    fig, ax = report.new_figure("Throughput", "optimizer step", "examples / s (all workers)")
+    ax.plot(steps, [r.get("examples_per_s", 0) for r in train], marker=".")
+    figures["throughput.svg"] = fig
+    if resources:
+        fig, ax = report.new_figure("Memory per worker", "worker", "peak resident memory (MiB)")
+        ax.bar([str(r["worker"]) for r in resources], [r["peak_rss_mb"] for r in resources])
+        figures["worker_memory.svg"] = fig
+    return figures
+
+
 def training_report(metrics: dict, resources: list[dict], title: str = "Training") -> str:
-    """HTML: loss, eval, learning-rate and throughput curves, and per-worker resources."""
-    train = metrics.get("train", [])
-    evals = metrics.get("evals", [])
+    """HTML: the training figures, per-worker resources and the final figures."""
+    figures = training_figures(metrics, resources)
     sections = [
         f"<p>Status <b>{metrics.get('status', '?')}</b>, step {metrics.get('step', 0)} of "
-        f"{metrics.get('total_steps', '?')}.</p>"
+        f"{metrics.get('total_steps', '?')}.</p>",
+        *(report.svg(fig) for fig in figures.values()),
     ]
-    sections.append(
-        report.line_chart(
-            "Loss",
-            {
-                "train loss": [(r["step"], r["loss"]) for r in train],
-                "eval loss": [(r["step"], r["eval_loss"]) for r in evals],
-            },
-        )
-    )
-    sections.append(
-        report.line_chart(
-            "Accuracy",
-            {
-                "train accuracy": [(r["step"], r["accuracy"]) for r in train],
-                "eval accuracy": [(r["step"], r["eval_accuracy"]) for r in evals],
-            },
-        )
-    )
-    sections.append(
-        report.line_chart("Learning rate", {"lr": [(r["step"], r["learning_rate"]) for r in train]})
-    )
-    sections.append(
-        report.line_chart(
-            "Throughput (examples/s)",
-            {"examples/s": [(r["step"], r["examples_per_s"]) for r in train]},
-        )
-    )
+    report.close(figures.values())
     if resources:
         sections.append("<h2>Resources per worker</h2>" + report.table(resources))
     if metrics.get("final"):

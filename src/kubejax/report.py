@@ -1,94 +1,68 @@
-"""Self-contained HTML reports with inline SVG charts, for the KFP UI's HTML viewer.
+"""Self-contained HTML reports for the KFP UI's HTML viewer, with matplotlib figures.
 
-The KFP UI shows an `HTML` artifact in a sandboxed frame with no network, so charts are drawn as
-inline SVG: no scripts, no external assets.
+The KFP UI shows an `HTML` artifact in a sandboxed frame with no network: each figure is
+embedded as inline SVG text (no scripts, no external assets). The same Figure objects are
+logged to MLflow (`Tracker.log_figure`) on the run they describe.
 """
 
 from __future__ import annotations
 
 import html
-from collections.abc import Sequence
+import io
+import re
+from collections.abc import Iterable, Sequence
+from typing import TYPE_CHECKING
 
-_W, _H, _PAD = 640, 260, 44
-_COLOURS = ("#1f77b4", "#ff7f0e", "#2ca02c", "#d62728", "#9467bd", "#8c564b", "#e377c2")
+if TYPE_CHECKING:  # matplotlib is imported when a figure is drawn, not with this module
+    from matplotlib.axes import Axes
+    from matplotlib.figure import Figure
+
+_METADATA = re.compile(r"<metadata>.*?</metadata>\s*", re.S)
+#: Figure size in inches (at 100 dpi: 7.2 × 3.6 in ≈ 720 × 360 px in the report).
+SIZE = (7.2, 3.6)
 
 
 def _fmt(v: float) -> str:
     return f"{v:.4g}"
 
 
-def bar_chart(title: str, labels: Sequence[str], values: Sequence[float]) -> str:
-    """An SVG bar chart."""
-    top = max([*values, 1e-12])
-    n = max(len(values), 1)
-    bw = (_W - 2 * _PAD) / n
-    bars = []
-    for i, (label, v) in enumerate(zip(labels, values, strict=True)):
-        h = (_H - 2 * _PAD) * v / top
-        x = _PAD + i * bw
-        y = _H - _PAD - h
-        bars.append(
-            f'<rect x="{x + 1:.1f}" y="{y:.1f}" width="{max(bw - 2, 1):.1f}" height="{h:.1f}" '
-            f'fill="{_COLOURS[0]}"><title>{html.escape(str(label))}: {_fmt(v)}</title></rect>'
-        )
-        if n <= 24:
-            bars.append(
-                f'<text x="{x + bw / 2:.1f}" y="{_H - _PAD + 14}" font-size="10" '
-                f'text-anchor="middle">{html.escape(str(label))}</text>'
-            )
-    return _frame(title, "".join(bars), 0, top)
+def pyplot():
+    """matplotlib.pyplot on the Agg backend (no display: files and strings only)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    # Text stays text in the SVG (searchable, small), drawn in the viewer's sans-serif font.
+    matplotlib.rcParams["svg.fonttype"] = "none"
+    import matplotlib.pyplot as plt
+
+    return plt
 
 
-def line_chart(title: str, series: dict[str, Sequence[tuple[float, float]]]) -> str:
-    """An SVG line chart of named series of (x, y) points."""
-    points = [p for s in series.values() for p in s]
-    if not points:
-        return _frame(title, "", 0, 1)
-    x0, x1 = min(p[0] for p in points), max(p[0] for p in points)
-    y0, y1 = min(p[1] for p in points), max(p[1] for p in points)
-    x1, y1 = (x1 if x1 > x0 else x0 + 1), (y1 if y1 > y0 else y0 + 1)
-
-    def sx(x):
-        return _PAD + (_W - 2 * _PAD) * (x - x0) / (x1 - x0)
-
-    def sy(y):
-        return _H - _PAD - (_H - 2 * _PAD) * (y - y0) / (y1 - y0)
-
-    body = []
-    for i, (name, pts) in enumerate(series.items()):
-        colour = _COLOURS[i % len(_COLOURS)]
-        path = " ".join(f"{sx(x):.1f},{sy(y):.1f}" for x, y in pts)
-        body.append(
-            f'<polyline fill="none" stroke="{colour}" stroke-width="1.5" points="{path}">'
-            f"<title>{html.escape(name)}</title></polyline>"
-        )
-        if len(pts) == 1:
-            body.append(
-                f'<circle cx="{sx(pts[0][0]):.1f}" cy="{sy(pts[0][1]):.1f}" r="3" fill="{colour}"/>'
-            )
-        body.append(
-            f'<text x="{_W - _PAD + 4}" y="{_PAD + 12 * i}" font-size="10" fill="{colour}">'
-            f"{html.escape(name)}</text>"
-        )
-    body.append(
-        f'<text x="{_PAD}" y="{_H - _PAD + 14}" font-size="10">{_fmt(x0)}</text>'
-        f'<text x="{_W - _PAD}" y="{_H - _PAD + 14}" font-size="10" text-anchor="end">'
-        f"{_fmt(x1)}</text>"
-    )
-    return _frame(title, "".join(body), y0, y1)
+def new_figure(title: str, xlabel: str, ylabel: str, size=SIZE) -> tuple[Figure, Axes]:
+    """A figure with one titled axes, labelled, with a light grid."""
+    fig, ax = pyplot().subplots(figsize=size, layout="constrained")
+    ax.set_title(title)
+    ax.set_xlabel(xlabel)
+    ax.set_ylabel(ylabel)
+    ax.grid(True, alpha=0.3)
+    return fig, ax
 
 
-def _frame(title: str, body: str, y0: float, y1: float) -> str:
-    return (
-        f'<figure><svg xmlns="http://www.w3.org/2000/svg" width="{_W + 60}" height="{_H}" '
-        f'role="img" aria-label="{html.escape(title)}">'
-        f'<text x="{_PAD}" y="18" font-size="13" font-weight="bold">{html.escape(title)}</text>'
-        f'<line x1="{_PAD}" y1="{_H - _PAD}" x2="{_W - _PAD}" y2="{_H - _PAD}" stroke="#888"/>'
-        f'<line x1="{_PAD}" y1="{_PAD}" x2="{_PAD}" y2="{_H - _PAD}" stroke="#888"/>'
-        f'<text x="{_PAD - 4}" y="{_H - _PAD}" font-size="10" text-anchor="end">{_fmt(y0)}</text>'
-        f'<text x="{_PAD - 4}" y="{_PAD + 4}" font-size="10" text-anchor="end">{_fmt(y1)}</text>'
-        f"{body}</svg></figure>"
-    )
+def svg(fig: Figure) -> str:
+    """The figure as inline SVG inside a <figure> element (the figure stays open, for MLflow)."""
+    buf = io.StringIO()
+    # bbox "tight": labels drawn outside the axes (rotated parameter names) are kept.
+    fig.savefig(buf, format="svg", metadata={"Date": None}, bbox_inches="tight")
+    text = buf.getvalue()
+    text = text[text.index("<svg") :]  # drop the XML prolog and doctype
+    text = _METADATA.sub("", text)  # RDF metadata: namespace URLs, nothing a viewer needs
+    return f"<figure>{text}</figure>"
+
+
+def close(figures: Iterable[Figure]) -> None:
+    """Release figures once they are written (matplotlib keeps them otherwise)."""
+    for fig in figures:
+        pyplot().close(fig)
 
 
 def table(rows: Sequence[dict], columns: Sequence[str] | None = None) -> str:
@@ -112,6 +86,7 @@ def page(title: str, sections: Sequence[str]) -> str:
     style = (
         "body{font-family:sans-serif;margin:16px}table{border-collapse:collapse;font-size:12px}"
         "td,th{border:1px solid #ccc;padding:2px 6px;text-align:right}figure{margin:8px 0}"
+        "svg{max-width:100%;height:auto}"
     )
     return (
         f"<!DOCTYPE html><html><head><meta charset='utf-8'><title>{html.escape(title)}</title>"

@@ -60,6 +60,9 @@ class Tracker:
         """Log a model folder as a pyfunc model of this run; returns its URI ('' if none)."""
         return ""
 
+    def log_figure(self, figure, artifact_file: str) -> None:
+        """Store a matplotlib figure as an artifact of the run (shown in the MLflow UI)."""
+
     def start_system_metrics(self, node_id: str):
         """Sample CPU, memory, disk, network (and GPU) into this run until `.finish()`."""
         return None
@@ -204,6 +207,9 @@ class MlflowTracker(Tracker):
             self.client.log_artifacts(self.run_id, str(path), artifact_path)
         else:
             self.client.log_artifact(self.run_id, str(path), artifact_path)
+
+    def log_figure(self, figure, artifact_file: str) -> None:
+        self.client.log_figure(self.run_id, figure, artifact_file)
 
     def log_pyfunc_model(self, model_dir: str | Path, input_example) -> str:
         import mlflow

@@ -15,6 +15,7 @@ from kubejax.cli import main as cli_main
 from kubejax.data.dataset import load_split
 from kubejax.data.prepare import PrepareConfig, PrepareError, prepare_yelp, write_report
 from kubejax.data.synthetic import generate_reviews
+from tests.helpers import assert_self_contained_report
 
 
 def _frame(n=200, seed=0, label_offset=1) -> pd.DataFrame:
@@ -158,7 +159,9 @@ def test_metadata_and_report(tmp_path, minilm_dir, prepared):
     write_report(meta, tmp_path / "report.html")
     html = (tmp_path / "report.html").read_text()
     assert meta["tokenizer_engine"] in html
-    assert "Class balance: train" in html and "Token lengths: train" in html and "<svg" in html
+    assert "Class balance" in html and "Token lengths (train split)" in html
+    assert f"max_length {meta['max_length']}" in html and "length buckets (32)" in html
+    assert_self_contained_report(html, figures=2)
 
 
 def test_truncation_equals_the_tokenizers_own(minilm_dir):

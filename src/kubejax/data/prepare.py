@@ -20,6 +20,7 @@ import json
 import os
 import re
 import shutil
+import sys
 import tempfile
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -333,7 +334,9 @@ def prepare_yelp(cfg: PrepareConfig, out_dir: str | Path, progress: bool = True)
     """Read, clean, split and tokenize; write the dataset folder; return its metadata.
 
     The folder appears only when complete: it is built beside `out_dir` and renamed into place.
+    Progress bars show on a terminal only (a pod's log gets none).
     """
+    progress = progress and sys.stderr.isatty()
     check_output_dir(Path(out_dir))
     try:
         tok = load_tokenizer(cfg.tokenizer, cfg.max_length)
@@ -488,35 +491,56 @@ def _write_atomically(tables: dict, metadata: dict, out_dir: Path, progress: boo
 
 def write_report(metadata: dict, path: str | Path) -> None:
     """An HTML report of the dataset: rows, class balance and token-length histograms."""
-    names = metadata["label_names"]
-    sections = []
-    rows = []
-    for split, s in metadata["splits"].items():
-        rows.append(
-            {
-                "split": split,
-                "rows": s["rows"],
-                "mean tokens": s["length_mean"],
-                **{k: v for k, v in s["length_percentiles"].items()},
-                "truncated": s["truncation_rate"],
-            }
-        )
-    sections.append(
+    rows = [
+        {
+            "split": split,
+            "rows": s["rows"],
+            "mean tokens": s["length_mean"],
+            **s["length_percentiles"],
+            "truncated": s["truncation_rate"],
+        }
+        for split, s in metadata["splits"].items()
+    ]
+    figures = dataset_figures(metadata)
+    sections = [
         f"<p>Source <code>{metadata['source']}</code>, tokenizer <code>{metadata['tokenizer']}"
         f"</code> ({metadata.get('tokenizer_engine', 'tokenizers')}), max_length "
-        f"{metadata['max_length']}. Dropped: {metadata['dropped'] or 'none'}."
-        "</p>"
-    )
-    sections.append(report.table(rows))
-    for split, s in metadata["splits"].items():
-        sections.append(report.bar_chart(f"Class balance: {split}", names, s["class_counts"]))
-    bins = len(metadata["splits"]["train"]["length_histogram"])
-    width = metadata["max_length"] / bins
-    sections.append(
-        report.bar_chart(
-            "Token lengths: train",
-            [f"{int(i * width)}" for i in range(bins)],
-            metadata["splits"]["train"]["length_histogram"],
-        )
-    )
+        f"{metadata['max_length']}. Dropped: {metadata['dropped'] or 'none'}.</p>",
+        report.table(rows),
+        *(report.svg(fig) for fig in figures.values()),
+    ]
+    report.close(figures.values())
     Path(path).write_text(report.page("Dataset report", sections))
+
+
+#: The trainer's default bucket_multiple: padded lengths are multiples of it.
+BUCKET_MULTIPLE = 32
+
+
+def dataset_figures(metadata: dict) -> dict:
+    """The dataset's figures by file name: rows per class in each split, and the train split's
+    token lengths with max_length (truncation) and the trainer's length buckets marked."""
+    names = metadata["label_names"]
+    splits = metadata["splits"]
+    fig, ax = report.new_figure("Class balance", "class", "rows")
+    width = 0.8 / len(splits)
+    for i, (split, s) in enumerate(splits.items()):
+        xs = [j + (i - (len(splits) - 1) / 2) * width for j in range(len(names))]
+        ax.bar(xs, s["class_counts"], width=width, label=split)
+    ax.set_xticks(range(len(names)), names)
+    ax.legend()
+    figures = {"class_balance.svg": fig}
+    max_length = metadata["max_length"]
+    counts = splits["train"]["length_histogram"]
+    bin_width = max_length / len(counts)
+    fig, ax = report.new_figure(
+        "Token lengths (train split)", "tokens per review ([CLS] and [SEP] included)", "reviews"
+    )
+    ax.bar([i * bin_width for i in range(len(counts))], counts, width=bin_width, align="edge")
+    for edge in range(BUCKET_MULTIPLE, max_length, BUCKET_MULTIPLE):
+        ax.axvline(edge, color="grey", linestyle=":", linewidth=0.8)
+    ax.axvline(max_length, color="red", linestyle="--", label=f"max_length {max_length}")
+    ax.plot([], [], color="grey", linestyle=":", label=f"length buckets ({BUCKET_MULTIPLE})")
+    ax.legend()
+    figures["token_lengths.svg"] = fig
+    return figures

@@ -11,7 +11,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
-from kubejax import tracking
+from kubejax import report, tracking
 from kubejax.jaxjob.client import JAXJobClient
 from kubejax.jaxjob.spec import JAXJobSpec, job_name
 from kubejax.launchers.common import (
@@ -30,7 +30,7 @@ from kubejax.tune.controller import (
     read_metrics,
     tune,
 )
-from kubejax.tune.report import write_report, write_trials
+from kubejax.tune.report import sweep_figures, write_report, write_trials
 from kubejax.tune.space import RESOURCE_PARAMS, SweepError, lowest_point
 from kubejax.version import IMAGE
 
@@ -123,6 +123,10 @@ def sweep_with_jaxjobs(
             cfg, factory, trials_root, client=JAXJobClient(backend), tracker=tracker, log=log
         )
         _record_best(tracker, result, trials_root)
+        figures = sweep_figures(result, cfg)
+        for name, fig in figures.items():
+            tracker.log_figure(fig, f"sweep/{name}")
+        report.close(figures.values())
         status = "FINISHED"
         return result, tracker.run_id or ""
     finally:

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import sys
+
 import jax
 import numpy as np
 from flax import nnx
@@ -10,9 +12,13 @@ from kubejax.data import dataset
 from kubejax.trainer.steps import make_eval_step
 
 
-def predict_logits(model, split: dataset.TokenizedSplit, batch_size: int, max_length: int):
-    """Logits for every row of `split`, in row order, data-parallel over local devices."""
+def predict_logits(
+    model, split: dataset.TokenizedSplit, batch_size: int, max_length: int, progress: bool = False
+):
+    """Logits for every row of `split`, in row order, data-parallel over local devices; with
+    `progress`, a progress bar on a terminal (none in a pod's log)."""
     from jax.sharding import Mesh
+    from tqdm.auto import tqdm
 
     devices = jax.local_devices()
     batch_size = max(len(devices), batch_size // len(devices) * len(devices))
@@ -22,6 +28,12 @@ def predict_logits(model, split: dataset.TokenizedSplit, batch_size: int, max_le
     eval_step = make_eval_step(graphdef, mesh)
     sharding = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec("data"))
     out = np.zeros((len(split), model.num_labels), dtype=np.float32)
+    bar = tqdm(
+        total=len(split),
+        desc="predict",
+        unit="review",
+        disable=not (progress and sys.stderr.isatty()),
+    )
     for batch in dataset.eval_batches(
         split,
         batch_size=batch_size,
@@ -34,4 +46,6 @@ def predict_logits(model, split: dataset.TokenizedSplit, batch_size: int, max_le
         _, logits = eval_step(params, jax.device_put(batch, sharding))
         keep = weights_ > 0
         out[rows[keep]] = np.asarray(logits)[keep]
+        bar.update(int(keep.sum()))
+    bar.close()
     return out

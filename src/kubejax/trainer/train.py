@@ -29,7 +29,7 @@ import numpy as np
 import optax
 from flax import nnx
 
-from kubejax import monitoring, tracking
+from kubejax import monitoring, report, tracking
 from kubejax.data import dataset
 from kubejax.errors import KubejaxError
 from kubejax.trainer import distributed, weights
@@ -481,6 +481,17 @@ class Progress:
             "num_processes": jax.process_count(),
         }
 
+    def log_final(self, final: dict) -> None:
+        """The final figures, and the run's curves (loss, accuracy, learning rate,
+        throughput) as MLflow figures."""
+        self.tracker.log_summary({f"final_{k}": v for k, v in final.items()})
+        if self.tracker.run_id is None:
+            return
+        figures = monitoring.training_figures(self.history, [])
+        for name, fig in figures.items():
+            self.tracker.log_figure(fig, f"training/{name}")
+        report.close(figures.values())
+
     def write(self, status: str, step: int, final: dict | None = None) -> None:
         """metrics.json, replaced atomically (process 0 only)."""
         if not self.is_main:
@@ -585,7 +596,7 @@ def train_and_evaluate(cfg: TrainConfig) -> dict:
         final = progress.final(final_step, final_eval, time.monotonic() - t_start)
         if jax.process_index() == 0:
             export_model(cfg, graphdef, params, data, tokenizer_dir)
-            tracker.log_summary({f"final_{k}": v for k, v in final.items()})
+            progress.log_final(final)
         progress.write("completed", final_step, final)
         status = "FINISHED"
         return final

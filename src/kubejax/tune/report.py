@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import json
+import warnings
 from pathlib import Path
 
+import numpy as np
 import optuna
 
 from kubejax import report
@@ -30,18 +32,8 @@ def write_trials(result: SweepResult, path: str | Path) -> None:
 
 
 def write_report(result: SweepResult, cfg: SweepConfig, path: str | Path) -> None:
-    """HTML: trials table, optimization history, intermediate curves, parameter importance."""
-    done = [t for t in result.trials if t["value"] is not None]
-    best_so_far, series = [], []
-    better = max if cfg.direction == "maximize" else min
-    for t in sorted(done, key=lambda t: t["number"]):
-        series.append((t["number"], t["value"]))
-        best_so_far.append((t["number"], better([v for _, v in series])))
-    cost = [(t["worker_seconds"], t["value"]) for t in done if t.get("worker_seconds") is not None]
-    curves = {
-        f"trial {t['number']} ({t['state']})": [(int(k), v) for k, v in t["intermediate"].items()]
-        for t in result.trials
-    }
+    """HTML: Optuna's plots of the study (history, intermediate values, importances, parallel
+    coordinates, slices), the objective against cost, and the trials table."""
     rows = [
         {
             "trial": t["number"],
@@ -54,41 +46,81 @@ def write_report(result: SweepResult, cfg: SweepConfig, path: str | Path) -> Non
         }
         for t in result.trials
     ]
+    figures = sweep_figures(result, cfg)
     sections = [
         f"<p>Best trial {result.best_trial}: {cfg.objective} = {result.best_value:.4f} with "
         f"<code>{json.dumps(result.best_params)}</code>. Trials: {result.counts}; "
         f"trial-steps: {result.trial_steps}.</p>",
-        report.line_chart(
-            "Optimization history (x: trial number)",
-            {"objective": series, "best so far": best_so_far},
-        ),
-        report.line_chart(
-            f"{cfg.objective} against cost (x: worker-seconds of the trial)",
-            {"objective": sorted(cost)},
-        ),
-        report.line_chart(f"Intermediate {cfg.objective} per trial", curves),
+        *(report.svg(fig) for fig in figures.values()),
         "<h2>Trials</h2>" + report.table(rows),
     ]
-    importance = _importance(result, cfg)
-    if importance:
-        sections.append(
-            report.bar_chart("Parameter importance", list(importance), list(importance.values()))
-        )
+    report.close(figures.values())
     Path(path).write_text(report.page("Hyperparameter sweep", sections))
 
 
-def _importance(result: SweepResult, cfg: SweepConfig) -> dict[str, float]:
-    complete = [t for t in result.trials if t["state"] == "complete"]
-    if len(complete) < 3 or len(cfg.space) < 2:
-        return {}
+def study_of(result: SweepResult, cfg: SweepConfig) -> optuna.Study:
+    """An in-memory Optuna study holding the sweep's trials (states, params, values and
+    intermediate values), for Optuna's own plots and importances."""
     study = optuna.create_study(direction=cfg.direction)
     dists = distributions(cfg.space)
-    for t in complete:
-        own = {name: dists[name] for name in t["params"]}  # conditional dimensions may be absent
+    states = {
+        "complete": optuna.trial.TrialState.COMPLETE,
+        "pruned": optuna.trial.TrialState.PRUNED,
+        "failed": optuna.trial.TrialState.FAIL,
+    }
+    for t in result.trials:
         study.add_trial(
-            optuna.trial.create_trial(params=t["params"], distributions=own, value=t["value"])
+            optuna.trial.create_trial(
+                state=states[t["state"]],
+                params=t["params"],
+                distributions={name: dists[name] for name in t["params"]},  # conditional ones
+                value=t["value"] if t["state"] == "complete" else None,
+                intermediate_values={int(k): v for k, v in t["intermediate"].items()},
+            )
         )
-    try:
-        return optuna.importance.get_param_importances(study)
-    except (RuntimeError, ValueError, ImportError):
-        return {}
+    return study
+
+
+def sweep_figures(result: SweepResult, cfg: SweepConfig) -> dict:
+    """The sweep's figures by file name: Optuna's matplotlib plots, and the objective against
+    each trial's cost in worker-seconds."""
+    from optuna.visualization import matplotlib as plots
+
+    study = study_of(result, cfg)
+    complete = [t for t in result.trials if t["state"] == "complete"]
+    wanted = {
+        "optimization_history.svg": plots.plot_optimization_history,
+        "intermediate_values.svg": plots.plot_intermediate_values,
+        "parallel_coordinate.svg": plots.plot_parallel_coordinate,
+        "slice.svg": plots.plot_slice,
+    }
+    if len(complete) >= 3 and len(cfg.space) >= 2:
+        wanted["param_importances.svg"] = plots.plot_param_importances
+    figures = {}
+    # Optuna's plots switch matplotlib to its own style; rc_context puts ours back after.
+    with warnings.catch_warnings(), report.pyplot().rc_context():
+        warnings.simplefilter("ignore", optuna.exceptions.ExperimentalWarning)
+        for name, plot in wanted.items():
+            try:
+                axes = plot(study)
+            except (RuntimeError, ValueError) as err:  # too few trials for this plot
+                warnings.warn(f"sweep report: no {name} ({err})", stacklevel=2)
+                continue
+            fig = np.asarray(axes).flat[0].figure  # slice: one axes per parameter
+            panels = np.asarray(axes).size
+            fig.set_size_inches(max(report.SIZE[0], 3.2 * panels), report.SIZE[1] + 0.8)
+            figures[name] = fig
+    fig, ax = report.new_figure(
+        f"{cfg.objective} against cost", "cost of the trial (worker-seconds)", cfg.objective
+    )
+    for workers in sorted({t.get("workers", 1) for t in complete}):
+        points = [
+            (t["worker_seconds"], t["value"])
+            for t in complete
+            if t.get("workers", 1) == workers and t.get("worker_seconds") is not None
+        ]
+        if points:
+            ax.plot(*zip(*points, strict=True), "o", label=f"{workers} worker(s)")
+    ax.legend()
+    figures["objective_vs_cost.svg"] = fig
+    return figures
