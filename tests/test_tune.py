@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import math
 import sys
 from pathlib import Path
 
@@ -398,7 +399,7 @@ def test_a_sweep_over_optimizers_and_replicas_feeds_the_final_training(
     cfg = SweepConfig(
         space=space,
         algorithm="random",
-        max_trials=4,
+        max_trials=3,  # seed 4 draws adamw on 1 worker, then lion on 2, then lion on 1
         parallelism=2,
         max_workers=2,
         pruner="none",
@@ -423,7 +424,7 @@ def test_a_sweep_over_optimizers_and_replicas_feeds_the_final_training(
         backend="local",
         log=lambda _: None,
     )
-    assert result.counts["complete"] == 4
+    assert result.counts["complete"] == 3
     assert {t["workers"] for t in result.trials} == {1, 2}
     assert {t["params"]["optimizer"] for t in result.trials} == {"adamw", "lion"}
     assert all(("b1" in t["params"]) == (t["params"]["optimizer"] == "lion") for t in result.trials)
@@ -450,3 +451,59 @@ def test_trial_jobs_take_booleans_and_their_own_worker_count():
     spec = make(0, {"nesterov": True, "momentum": 0.8, "replicas": 2}, "/o", "trial-0-x")
     assert "--nesterov" in spec.args and spec.replicas == 2
     assert "--replicas" not in spec.args
+
+
+def test_a_trial_whose_loss_diverges_fails_and_the_sweep_goes_on(
+    tmp_path, tiny_model_dir, prepared
+):
+    """SGD at a learning rate of 1e8 without clipping: that trial's loss becomes non-finite, the
+    trainer stops naming the step, the trial is marked failed (its MLflow run FAILED, with the
+    non-finite loss logged) and the other trial completes."""
+    from mlflow.tracking import MlflowClient
+
+    from kubejax.tracking import local_tracking_uri
+
+    uri = local_tracking_uri(tmp_path)
+    cfg = SweepConfig(
+        space={"learning_rate": {"type": "categorical", "choices": [0.05, 1e8]}},
+        algorithm="grid",
+        max_trials=2,
+        parallelism=2,
+        pruner="none",
+        poll_seconds=0.2,
+        study_name="nan",
+    )
+    fixed = {
+        "model": str(tiny_model_dir),
+        "optimizer": "sgd",
+        "max_grad_norm": 0,
+        "warmup_ratio": 0.0,
+        "max_steps": 6,
+        "global_batch_size": 8,
+        "max_length": 64,
+        "max_eval_examples": 32,
+        "eval_batch_size": 32,
+    }
+    lines = []
+    result, parent = sweep_with_jaxjobs(
+        cfg,
+        data_dir=str(prepared),
+        trials_root=str(tmp_path / "trials"),
+        hyperparameters=fixed,
+        image="local",
+        backend="local",
+        mlflow_tracking_uri=uri,
+        mlflow_experiment="nan",
+        log=lines.append,
+    )
+    assert result.counts == {"complete": 1, "pruned": 0, "failed": 1}
+    failed = next(t for t in result.trials if t["state"] == "failed")
+    assert failed["params"]["learning_rate"] == 1e8
+    assert any("training stopped" in line and "at step" in line for line in lines), lines
+    client = MlflowClient(uri)
+    runs = client.search_runs([client.get_experiment_by_name("nan").experiment_id])
+    trial_runs = [r for r in runs if r.data.tags.get("mlflow.parentRunId") == parent]
+    bad = next(r for r in trial_runs if r.data.tags.get("kubejax.trial_state") == "failed")
+    assert bad.info.status == "FAILED"
+    losses = [m.value for m in client.get_metric_history(bad.info.run_id, "loss")]
+    assert losses and not all(math.isfinite(v) for v in losses)
