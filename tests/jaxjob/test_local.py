@@ -213,3 +213,37 @@ def test_a_crashed_worker_restarts_the_group_which_resumes(
     assert "resumed at step" in logs
     assert json.loads((out / "metrics.json").read_text())["final"]["steps"] == 16
     assert not any(_alive(p) for p in first + client._backend.worker_pids("crash"))
+
+
+_LAUNCHER = """
+import sys, time
+from kubejax.jaxjob.client import JAXJobClient
+from kubejax.jaxjob.spec import JAXJobSpec
+client = JAXJobClient("local", log_root=sys.argv[1])
+code = "import time; time.sleep(120)"
+client.create_job(JAXJobSpec(name="orphan", image="i", command=[sys.executable, "-c", code],
+                             replicas=2))
+while len(client._backend.worker_pids("orphan")) < 2:
+    time.sleep(0.05)
+print(*client._backend.worker_pids("orphan"), flush=True)
+time.sleep(120)
+"""
+
+
+def test_a_launcher_killed_with_sigkill_leaves_no_orphan_worker(tmp_path):
+    import signal
+    import subprocess
+
+    launcher = subprocess.Popen(
+        [sys.executable, "-c", _LAUNCHER, str(tmp_path / "logs")],
+        stdout=subprocess.PIPE,
+        text=True,
+    )
+    pids = [int(p) for p in launcher.stdout.readline().split()]
+    assert len(pids) == 2 and all(_alive(p) for p in pids)
+    launcher.send_signal(signal.SIGKILL)
+    launcher.wait()
+    deadline = time.monotonic() + 10
+    while any(_alive(p) for p in pids) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert not any(_alive(p) for p in pids)

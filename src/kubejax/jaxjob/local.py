@@ -55,6 +55,18 @@ def _now() -> str:
     return datetime.now(UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
 
 
+#: Run before a worker's command, in the worker's own process (it then execs the command, same
+#: pid): the worker gets SIGKILL when the launcher that started it dies, even by SIGKILL, so no
+#: orphaned worker outlives it (Linux PR_SET_PDEATHSIG, kept across exec). A launcher already
+#: gone before the guard was set is caught by comparing the parent pid.
+_DIE_WITH_PARENT = (
+    "import ctypes, os, signal, sys; "
+    "ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGKILL); "
+    "os.getppid() == int(sys.argv[1]) or os._exit(137); "
+    "os.execvp(sys.argv[2], sys.argv[2:])"
+)
+
+
 def _stop_group(proc: subprocess.Popen) -> None:
     """SIGTERM the worker's process group, then SIGKILL what remains after a grace period."""
     if proc.poll() is None:
@@ -120,6 +132,8 @@ class _LocalJob:
         # The image's `python` is this interpreter here.
         if cmd and os.path.basename(cmd[0]) in ("python", "python3"):
             cmd[0] = sys.executable
+        if sys.platform == "linux":
+            cmd = [sys.executable, "-c", _DIE_WITH_PARENT, str(os.getpid()), *cmd]
         return cmd
 
     def _env(self, index: int, port: int) -> dict[str, str]:
