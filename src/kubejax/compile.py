@@ -8,6 +8,10 @@ from pathlib import Path
 
 from kfp import compiler
 
+#: compiled/ is also the package `kubejax.compiled` (its YAMLs ship as package data).
+_PACKAGE_INIT = (
+    '"""The compiled pipelines and components (`kubejax compile`), shipped as package data."""\n'
+)
 _DICT_DEFAULT = re.compile(r"^(#\s+\w+: dict \[Default: )(\{.*\})(\])$")
 
 
@@ -36,6 +40,7 @@ def compile_all(output_dir: str | Path = "compiled") -> list[Path]:
 
     out = Path(output_dir)
     (out / "components").mkdir(parents=True, exist_ok=True)
+    (out / "__init__.py").write_text(_PACKAGE_INIT)
     written = []
     for name, pipeline in PIPELINES.items():
         path = out / f"{name}.yaml"

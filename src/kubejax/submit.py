@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import time
-from importlib.resources import files
+from importlib.util import find_spec
 from pathlib import Path
 
 from kubejax.local_run import parse_params, pipeline_inputs
@@ -11,8 +11,12 @@ from kubejax.version import __version__
 
 
 def compiled_pipeline(pipeline: str) -> Path:
-    """The compiled YAML of a pipeline, from the installed package (`kubejax.compiled`)."""
-    return Path(str(files("kubejax.compiled") / f"{pipeline}.yaml"))
+    """The compiled YAML of a pipeline, from the installed package (`kubejax.compiled`); found
+    without importing it, so no bytecode is written beside the YAMLs."""
+    spec = find_spec("kubejax.compiled")
+    if spec is None or not spec.submodule_search_locations:
+        raise ValueError("--package: kubejax.compiled is not installed; pass a compiled YAML")
+    return Path(next(iter(spec.submodule_search_locations))) / f"{pipeline}.yaml"
 
 
 def _package(pipeline: str, package: str | None) -> Path:
