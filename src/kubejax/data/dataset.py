@@ -14,11 +14,10 @@ from pathlib import Path
 
 import numpy as np
 
-from kubejax.data.prepare import METADATA_FILE
+from kubejax.data.prepare import DEFAULT_BUCKET_MULTIPLE, METADATA_FILE  # noqa: F401 (re-exported)
 from kubejax.errors import KubejaxError
 
 #: Padded lengths are multiples of this, so the number of compiled shapes stays small.
-DEFAULT_BUCKET_MULTIPLE = 32
 #: Batches are formed from windows of this many batches sorted by length (length grouping).
 _SORT_WINDOW = 64
 

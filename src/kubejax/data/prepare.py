@@ -36,6 +36,8 @@ from kubejax.flags import setting as _f
 FORMATS = {".csv": "csv", ".tsv": "tsv", ".json": "json", ".jsonl": "jsonl", ".parquet": "parquet"}
 SPLITS = ("train", "validation", "test")
 METADATA_FILE = "metadata.json"
+#: The input pipeline's default bucket_multiple: padded lengths are multiples of it.
+DEFAULT_BUCKET_MULTIPLE = 32
 _SPLIT_RE = re.compile(r"^([A-Za-z_][\w.-]*)(?:\[(-?\d+%?)?:(-?\d+%?)?\])?$")
 
 
@@ -513,10 +515,6 @@ def write_report(metadata: dict, path: str | Path) -> None:
     Path(path).write_text(report.page("Dataset report", sections))
 
 
-#: The trainer's default bucket_multiple: padded lengths are multiples of it.
-BUCKET_MULTIPLE = 32
-
-
 def dataset_figures(metadata: dict) -> dict:
     """The dataset's figures by file name: rows per class in each split, and the train split's
     token lengths with max_length (truncation) and the trainer's length buckets marked."""
@@ -537,10 +535,11 @@ def dataset_figures(metadata: dict) -> dict:
         "Token lengths (train split)", "tokens per review ([CLS] and [SEP] included)", "reviews"
     )
     ax.bar([i * bin_width for i in range(len(counts))], counts, width=bin_width, align="edge")
-    for edge in range(BUCKET_MULTIPLE, max_length, BUCKET_MULTIPLE):
+    for edge in range(DEFAULT_BUCKET_MULTIPLE, max_length, DEFAULT_BUCKET_MULTIPLE):
         ax.axvline(edge, color="grey", linestyle=":", linewidth=0.8)
     ax.axvline(max_length, color="red", linestyle="--", label=f"max_length {max_length}")
-    ax.plot([], [], color="grey", linestyle=":", label=f"length buckets ({BUCKET_MULTIPLE})")
+    buckets = f"length buckets ({DEFAULT_BUCKET_MULTIPLE})"
+    ax.plot([], [], color="grey", linestyle=":", label=buckets)
     ax.legend()
     figures["token_lengths.svg"] = fig
     return figures

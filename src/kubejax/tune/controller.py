@@ -153,7 +153,8 @@ class Controller:
         self.trials_root = Path(trials_root)
         self.trials_root.mkdir(parents=True, exist_ok=True)
         self.active: dict[int, _Active] = {}
-        self.pending: tuple[optuna.Trial, dict, JAXJobSpec] | None = None  # waits for workers
+        # A trial asked of Optuna that waits for workers: (trial, params, job spec, output dir).
+        self.pending: tuple[optuna.Trial, dict, JAXJobSpec, str] | None = None
         self.failures: list[str] = []
         self.study = optuna.create_study(
             study_name=cfg.study_name,
@@ -237,17 +238,17 @@ class Controller:
                 name = job_name(
                     self.cfg.study_name, str(trial.number), prefix=f"trial-{trial.number}"
                 )
-                self.pending = (trial, params, self.trial_spec(trial.number, params, out_dir, name))
-            trial, params, spec = self.pending
+                spec = self.trial_spec(trial.number, params, out_dir, name)
+                self.pending = (trial, params, spec, out_dir)
+            trial, params, spec, out_dir = self.pending
             budget = self.cfg.max_workers
             if budget and self.workers_in_use() + spec.replicas > budget:
                 return
             self.pending = None
-            self.start(trial, params, spec)
+            self.start(trial, params, spec, out_dir)
 
-    def start(self, trial: optuna.Trial, params: dict, spec: JAXJobSpec) -> None:
+    def start(self, trial: optuna.Trial, params: dict, spec: JAXJobSpec, out_dir: str) -> None:
         """Create a trial's job and follow it."""
-        out_dir = str(self.trials_root / f"trial-{trial.number:03d}")
         trial.set_user_attr(JOB_ATTR, spec.name)
         trial.set_user_attr(OUTPUT_ATTR, out_dir)
         trial.set_user_attr(WORKERS_ATTR, spec.replicas)
