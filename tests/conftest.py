@@ -111,50 +111,51 @@ def trained_tiny(tmp_path_factory, tiny_model_dir, prepared) -> Path:
     return out
 
 
+class MlflowServer:
+    """A real `mlflow server` on 127.0.0.1 (sqlite store, artifacts under `root`) that a test
+    can stop and start again on the same port and store."""
+
+    def __init__(self, root: Path, port: int | None = None):
+        self.root, self.port = root, port or free_port()
+        self.uri = f"http://127.0.0.1:{self.port}"
+        self.proc = None
+
+    def start(self, timeout: float = 90) -> MlflowServer:
+        import subprocess
+        import time
+        import urllib.request
+
+        cmd = [sys.executable, "-m", "mlflow", "server", "--host", "127.0.0.1"]
+        cmd += ["--port", str(self.port), "--workers", "1"]
+        cmd += ["--backend-store-uri", f"sqlite:///{self.root / 'mlflow.db'}"]
+        cmd += ["--artifacts-destination", str(self.root / "artifacts")]
+        self.proc = subprocess.Popen(
+            cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True
+        )
+        deadline = time.monotonic() + timeout
+        while True:
+            try:
+                urllib.request.urlopen(f"{self.uri}/health", timeout=1)
+                return self
+            except OSError:
+                if self.proc.poll() is not None or time.monotonic() > deadline:
+                    self.stop()
+                    raise RuntimeError("mlflow server did not start") from None
+                time.sleep(0.3)
+
+    def stop(self) -> None:
+        import os
+        import signal
+
+        if self.proc is not None and self.proc.poll() is None:
+            os.killpg(self.proc.pid, signal.SIGKILL)
+        if self.proc is not None:
+            self.proc.wait(30)
+
+
 @pytest.fixture(scope="session")
 def mlflow_server(tmp_path_factory):
-    """A real `mlflow server` on 127.0.0.1 (sqlite store, temporary artifact root)."""
-    import subprocess
-    import time
-    import urllib.request
-
-    root = tmp_path_factory.mktemp("mlflow")
-    port = free_port()
-    proc = subprocess.Popen(
-        [
-            sys.executable,
-            "-m",
-            "mlflow",
-            "server",
-            "--host",
-            "127.0.0.1",
-            "--port",
-            str(port),
-            "--backend-store-uri",
-            f"sqlite:///{root / 'mlflow.db'}",
-            "--artifacts-destination",
-            str(root / "artifacts"),
-            "--workers",
-            "1",
-        ],
-        stdout=subprocess.DEVNULL,
-        stderr=subprocess.DEVNULL,
-        start_new_session=True,
-    )
-    uri = f"http://127.0.0.1:{port}"
-    deadline = time.monotonic() + 90
-    while True:
-        try:
-            urllib.request.urlopen(f"{uri}/health", timeout=1)
-            break
-        except OSError:
-            if proc.poll() is not None or time.monotonic() > deadline:
-                proc.kill()
-                raise RuntimeError("mlflow server did not start") from None
-            time.sleep(0.3)
-    yield uri
-    import os
-    import signal
-
-    os.killpg(proc.pid, signal.SIGTERM)
-    proc.wait(30)
+    """A real `mlflow server` on 127.0.0.1 for the session; its URI."""
+    server = MlflowServer(tmp_path_factory.mktemp("mlflow")).start()
+    yield server.uri
+    server.stop()

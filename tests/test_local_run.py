@@ -85,6 +85,31 @@ def test_run_log_filters_the_terminal_and_keeps_everything(tmp_path):
     assert [t["task"] for t in log.tasks] == ["train"] and log.tasks[0]["status"] == "FAILURE"
 
 
+class _Terminal(io.StringIO):
+    def isatty(self) -> bool:
+        return True
+
+
+def test_run_log_shows_a_task_bar_on_a_terminal_only(tmp_path):
+    terminal = _Terminal()
+    with RunLog(tmp_path / "run.log", terminal, total_tasks=5):
+        print(KFP_LINES, end="")
+    shown = terminal.getvalue()
+    assert "pipeline:" in shown and "1/5" in shown and "train: FAILURE in" in shown
+    piped = io.StringIO()
+    with RunLog(tmp_path / "piped.log", piped, total_tasks=5):
+        print(KFP_LINES, end="")
+    assert "1/5" not in piped.getvalue() and "\r" not in piped.getvalue()
+
+
+def test_the_yelp_pipeline_counts_its_tasks_inside_conditions():
+    from kubejax.local_run import task_count
+    from pipelines.yelp import train_eval_pipeline, yelp_pipeline
+
+    assert task_count(yelp_pipeline) == 5  # prepare, sweep, train, evaluate, register (If)
+    assert task_count(train_eval_pipeline) == 3  # prepare, train, evaluate
+
+
 def test_run_log_verbose_shows_everything(tmp_path):
     terminal = io.StringIO()
     with RunLog(tmp_path / "run.log", terminal, verbose=True):

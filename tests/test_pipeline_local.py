@@ -118,8 +118,9 @@ def test_pipeline_html_reports_hold_the_figures(local_run):
     (the KFP UI's viewer is sandboxed)."""
     workdir, _, _ = local_run
     train = _artifact(workdir, "train", "report").read_text()
-    assert_self_contained_report(train, figures=5)
+    assert_self_contained_report(train, figures=6)
     assert "train loss (batch)" in train and "eval accuracy (validation)" in train
+    assert "Throughput per worker" in train and "worker 1" in train
     assert "optimizer step" in train and "Resources per worker" in train
     sweep = _artifact(workdir, "tune-sweep", "report").read_text()
     assert_self_contained_report(sweep, figures=4)
@@ -147,7 +148,8 @@ def test_the_mlflow_runs_hold_the_figures(local_run):
     final = [
         r for r in runs if "training" in {a.path for a in client.list_artifacts(r.info.run_id)}
     ]
-    assert any({"loss.svg", "learning_rate.svg"} <= files(r, "training") for r in final)
+    shown = {"loss.svg", "learning_rate.svg", "worker_throughput.svg", "worker_memory.svg"}
+    assert any(shown <= files(r, "training") for r in final)
     assert any("confusion_matrix.svg" in files(r, "evaluation") for r in runs)
     assert any("optimization_history.svg" in files(r, "sweep") for r in runs)
 

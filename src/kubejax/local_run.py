@@ -359,7 +359,8 @@ def _run(workdir, pipeline, overrides, profile, verbose, terminal) -> dict:
     print(f"kubejax: {budget}", file=terminal)
     print(f"kubejax: full log: {log_path}", file=terminal, flush=True)
     t0 = time.monotonic()
-    with RunLog(log_path, terminal, verbose) as run_log, warnings.catch_warnings():
+    run_log = RunLog(log_path, terminal, verbose, total_tasks=task_count(pipeline))
+    with run_log, warnings.catch_warnings():
         warnings.filterwarnings("ignore", message=".*non-Python base image.*")
         warnings.filterwarnings("ignore", message=".*have no effect in the current local runner")
         try:
@@ -381,6 +382,17 @@ def _run(workdir, pipeline, overrides, profile, verbose, terminal) -> dict:
     return summary
 
 
+def task_count(pipeline) -> int:
+    """The pipeline's tasks, those inside conditions included."""
+    spec = pipeline.pipeline_spec
+
+    def leaves(dag) -> int:
+        comps = (spec.components[t.component_ref.name] for t in dag.tasks.values())
+        return sum(leaves(c.dag) if c.HasField("dag") else 1 for c in comps)
+
+    return leaves(spec.root.dag)
+
+
 _ANSI = re.compile(r"\x1b\[[0-9;]*m")
 _TASK_START = re.compile(r"Executing task '([^']+)'")
 _TASK_END = re.compile(r"Task '([^']+)' finished with status (\w+)")
@@ -396,11 +408,24 @@ class RunLog(io.TextIOBase):
     """Stands in for sys.stdout and sys.stderr while kfp.local runs (it prints the tasks'
     output and its own logs there): every line goes to the log file, and the lines a person
     watches — task start and end with durations, trials, progress, failures — to the terminal.
-    Task timings are collected in `tasks` (start and end in seconds since the run began)."""
+    Task timings are collected in `tasks` (start and end in seconds since the run began).
+    On a terminal a progress bar counts the finished tasks under those lines."""
 
-    def __init__(self, path: Path, terminal: TextIO, verbose: bool = False):
+    def __init__(
+        self, path: Path, terminal: TextIO, verbose: bool = False, total_tasks: int | None = None
+    ):
+        from tqdm.auto import tqdm
+
         self.file = path.open("a", encoding="utf-8")
         self.terminal, self.verbose = terminal, verbose
+        self.bar = tqdm(
+            total=total_tasks,
+            unit="task",
+            desc="pipeline",
+            file=terminal,
+            leave=False,
+            disable=verbose or not terminal.isatty(),
+        )
         self.t0 = time.monotonic()
         self.tasks: list[dict] = []
         self.recent: collections.deque[str] = collections.deque(maxlen=_FAILURE_LINES)
@@ -417,6 +442,7 @@ class RunLog(io.TextIOBase):
         sys.stdout, sys.stderr = self.saved
         if self.partial:
             self._line(self.partial)
+        self.bar.close()
         self.file.close()
 
     def writable(self) -> bool:
@@ -435,8 +461,12 @@ class RunLog(io.TextIOBase):
         self.terminal.flush()
 
     def _say(self, text: str) -> None:
-        self.terminal.write(f"[{time.monotonic() - self.t0:6.1f}s] {text}\n")
-        self.terminal.flush()
+        line = f"[{time.monotonic() - self.t0:6.1f}s] {text}"
+        if self.bar.disable:
+            self.terminal.write(line + "\n")
+            self.terminal.flush()
+        else:
+            self.bar.write(line, file=self.terminal)
 
     def _line(self, raw: str) -> None:
         self.file.write(raw + "\n")
@@ -447,12 +477,14 @@ class RunLog(io.TextIOBase):
         if m := _TASK_START.search(line):
             self.tasks.append({"task": m[1], "start_s": now, "end_s": None, "seconds": None})
             self.recent.clear()
+            self.bar.set_postfix_str(m[1])
             if not self.verbose:
                 self._say(f"{m[1]}: started")
         elif m := _TASK_END.search(line):
             task = next((t for t in reversed(self.tasks) if t["task"] == m[1]), None)
             if task is not None and task["end_s"] is None:
                 task.update(end_s=now, seconds=round(now - task["start_s"], 1), status=m[2])
+                self.bar.update(1)
             if not self.verbose:
                 took = f" in {task['seconds']:.1f} s" if task else ""
                 self._say(f"{m[1]}: {m[2]}{took}")

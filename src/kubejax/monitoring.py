@@ -1,13 +1,14 @@
 """Resource utilisation per worker, and the training-progress report shown in the KFP UI.
 
-Every worker samples its own CPU, memory (and device memory, where the device reports it) in a
-background thread and writes a summary to `<output_dir>/resources/worker-<i>.json` when it
-ends; process 0 also streams MLflow's system metrics into the training run (through the
-tracker).
+Every worker samples its own CPU, memory (and device memory, where the device reports it) and
+the examples it has trained on in a background thread, and writes the series and a summary to
+`<output_dir>/resources/worker-<i>.json` when it ends; process 0 also streams MLflow's system
+metrics into the training run (through the tracker).
 """
 
 from __future__ import annotations
 
+import itertools
 import json
 import os
 import threading
@@ -21,10 +22,13 @@ if TYPE_CHECKING:
     from matplotlib.figure import Figure
 
 SAMPLE_SECONDS = 2.0
+#: At most this many samples per worker are kept in the summary (evenly thinned).
+MAX_SERIES = 400
 
 
 class ResourceSampler:
-    """Samples this process's CPU and memory use (and JAX device memory) until stopped."""
+    """Samples this process's CPU and memory use (and JAX device memory) until stopped, with
+    the number of examples this worker has trained on so far (`count`)."""
 
     def __init__(self, interval: float = SAMPLE_SECONDS):
         import psutil
@@ -34,6 +38,9 @@ class ResourceSampler:
         self._proc.cpu_percent(None)
         self._stop = threading.Event()
         self.samples: list[dict] = []
+        self.examples = 0
+        self._counted: list[float] = []  # when the first and the latest examples were counted
+        self._first = 0
         self._thread = threading.Thread(target=self._run, name="resource-sampler", daemon=True)
         self._start = time.monotonic()
 
@@ -41,12 +48,21 @@ class ResourceSampler:
         self._thread.start()
         return self
 
+    def count(self, examples: int) -> None:
+        """Add examples this worker has finished training on."""
+        self.examples += examples
+        now = time.monotonic()
+        self._counted[1:] = [now]
+        if len(self._counted) == 1:
+            self._first = examples
+
     def _sample(self) -> dict:
         mem = self._proc.memory_info()
         s = {
             "t": round(time.monotonic() - self._start, 2),
             "cpu_percent": self._proc.cpu_percent(None),
             "rss_mb": mem.rss / 2**20,
+            "examples": self.examples,
         }
         s.update(_device_memory())
         return s
@@ -62,18 +78,43 @@ class ResourceSampler:
             self._thread.join()
         self.samples.append(self._sample())
         cpu = [s["cpu_percent"] for s in self.samples[:-1]] or [self.samples[-1]["cpu_percent"]]
+        wall = time.monotonic() - self._start
         summary = {
             "samples": len(self.samples),
-            "wall_s": round(time.monotonic() - self._start, 2),
+            "wall_s": round(wall, 2),
             "cpu_percent_mean": sum(cpu) / len(cpu),
             "cpu_count": os.cpu_count(),
             "peak_rss_mb": max(s["rss_mb"] for s in self.samples),
+            "examples": self.examples,
+            "series": _thin(self.samples, MAX_SERIES),
         }
+        if len(self._counted) == 2 and self._counted[1] > self._counted[0]:
+            # From the end of the first step (its compile excluded) to the end of the last.
+            trained = self.examples - self._first
+            summary["examples_per_s"] = trained / (self._counted[1] - self._counted[0])
         if "device_bytes_in_use" in self.samples[-1]:
             summary["peak_device_mb"] = (
                 max(s.get("device_peak_bytes", 0) for s in self.samples) / 2**20
             )
         return summary
+
+
+def _thin(samples: list[dict], most: int) -> list[dict]:
+    """At most `most` samples, evenly spaced, the last one kept."""
+    if len(samples) <= most:
+        return samples
+    stride = len(samples) / most
+    return [samples[int(i * stride)] for i in range(most - 1)] + [samples[-1]]
+
+
+def worker_rates(series: list[dict]) -> tuple[list[float], list[float]]:
+    """Times and examples/s between consecutive samples of one worker's series."""
+    times, rates = [], []
+    for a, b in itertools.pairwise(series):
+        if b["t"] > a["t"]:
+            times.append(b["t"])
+            rates.append((b["examples"] - a["examples"]) / (b["t"] - a["t"]))
+    return times, rates
 
 
 def _device_memory() -> dict:
@@ -132,10 +173,25 @@ def training_figures(metrics: dict, resources: list[dict]) -> dict[str, Figure]:
     fig, ax = report.new_figure("Throughput", "optimizer step", "examples / s (all workers)")
     ax.plot(steps, [r.get("examples_per_s", 0) for r in train], marker=".")
     figures["throughput.svg"] = fig
-    if resources:
-        fig, ax = report.new_figure("Memory per worker", "worker", "peak resident memory (MiB)")
-        ax.bar([str(r["worker"]) for r in resources], [r["peak_rss_mb"] for r in resources])
-        figures["worker_memory.svg"] = fig
+    figures.update(worker_figures(resources))
+    return figures
+
+
+def worker_figures(resources: list[dict]) -> dict[str, Figure]:
+    """Each worker's throughput and resident memory over the run's time."""
+    if not resources:
+        return {}
+    series = [(f"worker {r['worker']}", r.get("series", [])) for r in resources]
+    fig, ax = report.new_figure("Throughput per worker", "time (s)", "examples / s (this worker)")
+    for label, points in series:
+        ax.plot(*worker_rates(points), marker=".", label=label)
+    ax.legend()
+    figures = {"worker_throughput.svg": fig}
+    fig, ax = report.new_figure("Memory per worker", "time (s)", "resident memory (MiB)")
+    for label, points in series:
+        ax.plot([p["t"] for p in points], [p["rss_mb"] for p in points], label=label)
+    ax.legend()
+    figures["worker_memory.svg"] = fig
     return figures
 
 
@@ -149,7 +205,8 @@ def training_report(metrics: dict, resources: list[dict], title: str = "Training
     ]
     report.close(figures.values())
     if resources:
-        sections.append("<h2>Resources per worker</h2>" + report.table(resources))
+        rows = [{k: v for k, v in r.items() if k != "series"} for r in resources]
+        sections.append("<h2>Resources per worker</h2>" + report.table(rows))
     if metrics.get("final"):
         sections.append("<h2>Final</h2>" + report.table([metrics["final"]]))
     return report.page(title, sections)

@@ -25,6 +25,12 @@ log = logging.getLogger(__name__)
 BATCH_SIZE = 500
 #: A partial batch is sent after this many seconds.
 FLUSH_SECONDS = 5.0
+#: Metrics that failed to send are retried with each later batch and, at the end of the run,
+#: for up to this many seconds before they are counted as undelivered.
+FINISH_RETRY_SECONDS = 60.0
+#: At most this many metric values wait for a server that is down; older ones beyond it are
+#: counted as undelivered (bounded memory over a long outage).
+MAX_PENDING = 200_000
 #: Seconds between system-metrics samples.
 SYSTEM_METRICS_SECONDS = 2.0
 #: MLflow truncates longer parameter values.
@@ -70,8 +76,10 @@ class Tracker:
     def update_run(self, run_id: str, tags: Mapping[str, str], status: str | None = None) -> None:
         """Tag another run of the same store (a sweep trial), optionally ending it."""
 
-    def finish(self, status: str = "FINISHED") -> None:
-        """Flush everything and end the run (FINISHED, FAILED or KILLED)."""
+    def finish(self, status: str = "FINISHED") -> list[tuple]:
+        """Flush everything and end the run (FINISHED, FAILED or KILLED). Returns the metric
+        values that could not be delivered, as (key, value, timestamp_ms, step)."""
+        return []
 
 
 def _flatten(d: Mapping[str, Any], prefix: str = "") -> dict[str, str]:
@@ -134,9 +142,11 @@ class MlflowTracker(Tracker):
         if run_id and tags:
             self.set_tags(tags)
         self._queue: queue.Queue = queue.Queue()
+        self._errors: list[str] = []
+        self._undelivered: list = []
+        self._failing = False
         self._thread = threading.Thread(target=self._send_loop, name="mlflow-batch", daemon=True)
         self._thread.start()
-        self._errors: list[str] = []
 
     def _check_reachable(self) -> None:
         """Fail in seconds, not after MLflow's minutes of retries, when the server is down."""
@@ -159,6 +169,10 @@ class MlflowTracker(Tracker):
                     os.environ[k] = v
 
     def _send_loop(self) -> None:
+        """Send queued metrics in batches. A batch the server refuses or cannot take (down,
+        restarting) stays pending and goes again with the next batch, so an outage delays
+        metrics instead of losing them; at the end, pending ones are retried for
+        FINISH_RETRY_SECONDS and whatever still fails is kept in `_undelivered`."""
         from mlflow.entities import Metric
 
         pending: list = []
@@ -174,14 +188,35 @@ class MlflowTracker(Tracker):
             except queue.Empty:
                 pass
             if pending and (done or len(pending) >= BATCH_SIZE or time.monotonic() >= deadline):
-                for start in range(0, len(pending), 1000):
-                    try:
-                        self.client.log_batch(self.run_id, metrics=pending[start : start + 1000])
-                    except Exception as err:  # keep training; report at finish
-                        self._errors.append(f"{type(err).__name__}: {err}")
-                pending = []
+                pending = self._deliver(pending)
             if time.monotonic() >= deadline:
                 deadline = time.monotonic() + FLUSH_SECONDS
+        give_up, wait = time.monotonic() + FINISH_RETRY_SECONDS, 1.0
+        while pending and time.monotonic() < give_up:
+            time.sleep(min(wait, max(0.0, give_up - time.monotonic())))
+            wait = min(wait * 2, 10.0)
+            pending = self._deliver(pending)
+        self._undelivered.extend(pending)
+
+    def _deliver(self, pending: list) -> list:
+        """Send `pending` oldest first; return what is left after the first failure."""
+        for start in range(0, len(pending), 1000):
+            try:
+                self.client.log_batch(self.run_id, metrics=pending[start : start + 1000])
+            except Exception as err:  # keep training; retried later, reported at finish
+                if not self._failing:
+                    log.warning("MLflow: sending metrics failed, will retry (%s)", err)
+                self._failing = True
+                self._errors.append(f"{type(err).__name__}: {err}")
+                left = pending[start:]
+                if len(left) > MAX_PENDING:
+                    self._undelivered.extend(left[: len(left) - MAX_PENDING])
+                    left = left[len(left) - MAX_PENDING :]
+                return left
+        if self._failing:
+            log.warning("MLflow: the server is back; %d delayed metric values sent", len(pending))
+            self._failing = False
+        return []
 
     def log_params(self, params: Mapping[str, Any]) -> None:
         from mlflow.entities import Param
@@ -209,7 +244,10 @@ class MlflowTracker(Tracker):
             self.client.log_artifact(self.run_id, str(path), artifact_path)
 
     def log_figure(self, figure, artifact_file: str) -> None:
-        self.client.log_figure(self.run_id, figure, artifact_file)
+        try:
+            self.client.log_figure(self.run_id, figure, artifact_file)
+        except Exception as err:  # a figure is not worth failing a finished training for
+            log.warning("MLflow: figure %s not stored (%s)", artifact_file, err)
 
     def log_pyfunc_model(self, model_dir: str | Path, input_example) -> str:
         import mlflow
@@ -253,12 +291,24 @@ class MlflowTracker(Tracker):
         if status is not None:
             self.client.set_terminated(run_id, status=status)
 
-    def finish(self, status: str = "FINISHED") -> None:
+    def finish(self, status: str = "FINISHED") -> list[tuple]:
         self._queue.put(None)
         self._thread.join()
-        if self._errors:
-            log.warning("MLflow: %d metric batches failed: %s", len(self._errors), self._errors[0])
-        self.client.set_terminated(self.run_id, status=status)
+        lost = [(m.key, m.value, m.timestamp, m.step) for m in self._undelivered]
+        if lost:
+            log.warning(
+                "MLflow: %d metric values of run %s could not be delivered (%d failed sends; "
+                "first: %s)",
+                len(lost),
+                self.run_id,
+                len(self._errors),
+                self._errors[0] if self._errors else "?",
+            )
+        try:
+            self.client.set_terminated(self.run_id, status=status)
+        except Exception as err:
+            log.warning("MLflow: run %s not marked %s (%s)", self.run_id, status, err)
+        return lost
 
 
 def _artifact_location(tracking_uri: str) -> str | None:
@@ -340,6 +390,15 @@ def kfp_tags(extra: Mapping[str, str] | None = None) -> dict[str, str]:
 def parse_tags(text: str) -> dict[str, str]:
     """A JSON object of tags; empty text gives none."""
     return {str(k): str(v) for k, v in json.loads(text).items()} if text else {}
+
+
+def log_figures(tracking_uri: str | None, run_id: str, figures: Mapping[str, Any]) -> None:
+    """Add matplotlib figures (by file name, under `training/`) to a run, finished or not."""
+    from mlflow.tracking import MlflowClient
+
+    client = MlflowClient(resolve_uri(tracking_uri))
+    for name, fig in figures.items():
+        client.log_figure(run_id, fig, f"training/{name}")
 
 
 def register_model(tracking_uri: str | None, model_uri: str, name: str) -> str:

@@ -247,3 +247,71 @@ def test_a_launcher_killed_with_sigkill_leaves_no_orphan_worker(tmp_path):
     while any(_alive(p) for p in pids) and time.monotonic() < deadline:
         time.sleep(0.05)
     assert not any(_alive(p) for p in pids)
+
+
+_TRAIN_LAUNCHER = """
+import json, sys
+from kubejax.jaxjob.client import JAXJobClient
+from kubejax.jaxjob.launch import run_job
+from kubejax.jaxjob.spec import JAXJobSpec
+log_root, delete, args = sys.argv[1], sys.argv[2], sys.argv[3:]
+client = JAXJobClient("local", log_root=log_root)
+spec = JAXJobSpec(name="resumable", image="i", command=args[:3], args=args[3:], replicas=2)
+status = run_job(client, spec, timeout=600, delete=delete, log=None, polling_interval=0.2)
+print("done", status.state, flush=True)
+"""
+
+
+@pytest.mark.slow
+def test_a_restarted_launcher_reattaches_to_its_local_job(tmp_path, tiny_model_dir, prepared):
+    """The launcher SIGKILLed mid-run (its workers die with it); a new launcher of the same job
+    resumes that job from its checkpoint instead of starting a second one, and a launcher
+    started after the job finished takes its result without running anything."""
+    import signal
+    import subprocess
+
+    out, logs = tmp_path / "out", tmp_path / "logs"
+    args = trainer_cmd(
+        *tiny_args(tiny_model_dir, prepared, out, max_steps=1500, checkpoint_every=50)
+    )
+
+    def launcher(delete="never"):
+        return subprocess.Popen(
+            [sys.executable, "-c", _TRAIN_LAUNCHER, str(logs), delete, *args],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+        )
+
+    first = launcher()
+    record, deadline = logs / "resumable" / "job.json", time.monotonic() + 240
+    while not (out / "checkpoints" / "100").exists():
+        assert first.poll() is None and time.monotonic() < deadline, first.stdout.read()
+        time.sleep(0.1)
+    workers = json.loads(record.read_text())["worker_pids"]
+    first.send_signal(signal.SIGKILL)
+    first.wait()
+    deadline = time.monotonic() + 10
+    while any(_alive(p) for p in workers) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert not any(_alive(p) for p in workers)
+    saved = [int(c.name) for c in (out / "checkpoints").iterdir() if c.name.isdigit()]
+    assert max(saved) < 1500
+
+    second = launcher()
+    output, _ = second.communicate(timeout=600)
+    assert second.returncode == 0 and "done Succeeded" in output, output
+    reasons = [c["reason"] for c in json.loads(record.read_text())["conditions"]]
+    assert reasons.count("LauncherRestarted") == 1 and reasons[-1] == "JAXJobSucceeded"
+    worker0 = (logs / "resumable" / "worker-0.log").read_text()
+    assert f"resumed at step {max(saved)}" in worker0
+    assert json.loads((out / "metrics.json").read_text())["final"]["steps"] == 1500
+    assert [p.name for p in logs.iterdir()] == ["resumable"]  # one job, not a second
+
+    # Finished: a third launcher takes the result on record, starting no worker.
+    size = (logs / "resumable" / "worker-0.log").stat().st_size
+    third = launcher(delete="on_success")
+    output, _ = third.communicate(timeout=120)
+    assert third.returncode == 0 and "done Succeeded" in output, output
+    assert (logs / "resumable" / "worker-0.log").stat().st_size == size
+    assert not record.exists()  # deleted on success: the next launch starts afresh

@@ -11,6 +11,7 @@ import numpy as np
 import pytest
 from safetensors.numpy import load_file
 
+from kubejax import monitoring
 from kubejax.jaxjob.client import JAXJobClient
 from kubejax.jaxjob.launch import run_job
 from kubejax.jaxjob.spec import JAXJobSpec
@@ -75,6 +76,10 @@ def test_two_processes_equal_one_process(tmp_path, tiny_model_dir, prepared):
         "worker-0.json",
         "worker-1.json",
     ]
+    # Each worker counted its own half of every batch (10 steps of 8), over time.
+    for summary in monitoring.read_worker_summaries(two):
+        assert summary["examples"] == 10 * 8 // 2 and summary["examples_per_s"] > 0
+        assert summary["series"][-1]["examples"] == 40 and summary["series"][-1]["rss_mb"] > 0
 
 
 @pytest.mark.slow

@@ -8,6 +8,12 @@ a group: when one worker fails, the others are stopped too, and with restartPoli
 Always or ExitCode (retryable codes, 128 and above) the whole group restarts, up to backoffLimit
 times. activeDeadlineSeconds stops every worker. Workers run in their own process sessions, so
 stopping a worker stops its children too; nothing is left behind.
+
+Each job keeps a record beside its logs (`<log_root>/<name>/job.json`: conditions, restarts,
+the launcher's and the workers' pids), so a launcher restarted after its process was killed
+re-attaches to the job of the same name instead of starting a second one: a finished job gives
+its result at once; a running one, whose workers died with their launcher, restarts its group,
+which resumes from the job's latest checkpoint.
 """
 
 from __future__ import annotations
@@ -15,6 +21,7 @@ from __future__ import annotations
 import atexit
 import collections
 import contextlib
+import json
 import os
 import signal
 import socket
@@ -42,6 +49,7 @@ _STOP_GRACE_SECONDS = 5.0
 _SUPERVISE_SECONDS = 0.1
 _DEFAULT_BACKOFF = 3  # the operator's default backoffLimit when restarts are allowed
 _LOG_TAIL = 40
+_RECORD = "job.json"
 
 
 def free_port() -> int:
@@ -84,6 +92,33 @@ def _stop_group(proc: subprocess.Popen) -> None:
 ENV_CONTRACTS = ("jaxjob", "trainjob")
 
 
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    # A zombie (dead, not yet reaped by its parent) still answers kill(0).
+    with contextlib.suppress(OSError, IndexError):
+        return Path(f"/proc/{pid}/stat").read_text().split()[2] != "Z"
+    return True
+
+
+def read_record(log_dir: Path) -> dict | None:
+    """The job record a launcher left in `log_dir`, if any."""
+    with contextlib.suppress(FileNotFoundError, json.JSONDecodeError):
+        return json.loads((log_dir / _RECORD).read_text())
+    return None
+
+
+def _kill_recorded_workers(record: dict) -> None:
+    """Stop workers a dead launcher left (none on Linux, where they die with it)."""
+    for pid in record.get("worker_pids", []):
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            os.killpg(pid, signal.SIGKILL)
+
+
 class _LocalJob:
     def __init__(
         self,
@@ -91,6 +126,7 @@ class _LocalJob:
         log_dir: Path,
         echo: Callable[[str], None] | None,
         env_contract: str = "jaxjob",
+        record: dict | None = None,
     ):
         self.spec = spec
         self.env_contract = env_contract
@@ -106,10 +142,27 @@ class _LocalJob:
         self.deleted = threading.Event()
         self.started = time.monotonic()
         self.replica_statuses: dict = {}
-        self._condition(CREATED, "JAXJobCreated", f"JAXJob {spec.name} is created.")
-        self.thread = threading.Thread(
-            target=self._supervise, name=f"jaxjob-{spec.name}", daemon=True
-        )
+        target = self._supervise
+        if record is None:
+            self._condition(CREATED, "JAXJobCreated", f"JAXJob {spec.name} is created.")
+        else:
+            self.conditions = record["conditions"]
+            self.restarts, self.failed_worker = record["restarts"], record["failed_worker"]
+            for i, tail in enumerate(self.tails):
+                with contextlib.suppress(FileNotFoundError):
+                    text = (log_dir / f"worker-{i}.log").read_text(errors="replace")
+                    tail.extend(text.splitlines())
+            if self.status().finished:
+                target = _nothing  # its result is on record
+            else:
+                _kill_recorded_workers(record)
+                self._condition(
+                    RESTARTING,
+                    "LauncherRestarted",
+                    f"the launcher of JAXJob {spec.name} (pid {record['launcher_pid']}) died "
+                    "with its workers; restarting the group.",
+                )
+        self.thread = threading.Thread(target=target, name=f"jaxjob-{spec.name}", daemon=True)
         self.thread.start()
 
     def _condition(self, type_: str, reason: str, message: str) -> None:
@@ -126,6 +179,20 @@ class _LocalJob:
                     "lastTransitionTime": _now(),
                 }
             )
+            self._write_record()
+
+    def _write_record(self) -> None:
+        record = {
+            "name": self.spec.name,
+            "launcher_pid": os.getpid(),
+            "worker_pids": [p.pid for p in self.procs],
+            "restarts": self.restarts,
+            "failed_worker": self.failed_worker,
+            "conditions": self.conditions,
+        }
+        tmp = self.log_dir / f".{_RECORD}.tmp"
+        tmp.write_text(json.dumps(record, indent=1))
+        tmp.replace(self.log_dir / _RECORD)
 
     def _command(self) -> list[str]:
         cmd = [*self.spec.command, *self.spec.args]
@@ -274,6 +341,10 @@ class _LocalJob:
         return [p.pid for p in self.procs]
 
 
+def _nothing() -> None:
+    pass
+
+
 #: Where worker logs go when no log_root is given (`kubejax run --local` sets it to its
 #: workdir); unset: a fresh temporary folder.
 LOG_DIR_ENV = "KUBEJAX_LOCAL_JOB_LOGS"
@@ -305,7 +376,15 @@ class LocalBackend(Backend):
             return spec.name  # attach to the job of that name
         log_dir = self.log_root / spec.name
         log_dir.mkdir(parents=True, exist_ok=True)
-        self.jobs[spec.name] = _LocalJob(spec, log_dir, self.echo, self.env_contract)
+        record = read_record(log_dir)
+        if record is not None and not JobStatus(spec.name, record["conditions"]).finished:
+            pid = record["launcher_pid"]
+            if pid == os.getpid() or _alive(pid):
+                raise RuntimeError(
+                    f"JAXJob {spec.name} is run by another launcher (pid {pid}) with the same "
+                    f"log folder {log_dir}; wait for it to end or delete the job"
+                )
+        self.jobs[spec.name] = _LocalJob(spec, log_dir, self.echo, self.env_contract, record)
         return spec.name
 
     def _job(self, name: str) -> _LocalJob:
@@ -351,13 +430,21 @@ class LocalBackend(Backend):
 
     def delete_job(self, name: str) -> None:
         job = self.jobs.pop(name, None)
-        if job is None:
-            return
-        job.deleted.set()
-        job.thread.join()
-        job.stop_all()
+        if job is not None:
+            job.deleted.set()
+            job.thread.join()
+            job.stop_all()
+        record = read_record(self.log_root / name)
+        if record is not None:
+            if job is None:
+                _kill_recorded_workers(record)
+            (self.log_root / name / _RECORD).unlink(missing_ok=True)
 
     def close(self) -> None:
-        """Stop every job (also run at interpreter exit)."""
+        """Stop every job's workers (also run at interpreter exit). The jobs' records stay, as
+        a cluster's jobs outlive their launcher: a later launcher re-attaches."""
         for name in list(self.jobs):
-            self.delete_job(name)
+            job = self.jobs.pop(name)
+            job.deleted.set()
+            job.thread.join()
+            job.stop_all()

@@ -14,7 +14,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from kubejax import monitoring, tracking
+from kubejax import monitoring, report, tracking
 from kubejax.jaxjob.client import JAXJobClient
 from kubejax.jaxjob.launch import run_job
 from kubejax.jaxjob.spec import job_name
@@ -150,8 +150,13 @@ def train_task(
         worker = f"worker{r['worker']}"
         metrics[f"{worker}_peak_rss_mb"] = round(r["peak_rss_mb"], 1)
         metrics[f"{worker}_cpu_percent_mean"] = round(r["cpu_percent_mean"], 1)
-        metrics[f"{worker}_examples_per_s"] = final["examples_per_s"] / max(len(resources), 1)
+        if "examples_per_s" in r:
+            metrics[f"{worker}_examples_per_s"] = round(r["examples_per_s"], 2)
     title = f"Training: job {result['job_name']}"
+    if result.get("mlflow_run_id"):
+        figures = monitoring.worker_figures(resources)
+        tracking.log_figures(launch.get("mlflow_tracking_uri"), result["mlflow_run_id"], figures)
+        report.close(figures.values())
     return TrainOutcome(
         metrics=metrics,
         model_metadata={

@@ -5,3 +5,5 @@ workers) and the launcher (in the KFP task). Importable without jax."""
 METRICS_FILE = "metrics.json"
 #: The trained model in the Hugging Face layout, with its tokenizer and labels.
 MODEL_DIR = "model"
+#: Metric values the MLflow server never took (an outage past the retries), with the run id.
+UNDELIVERED_FILE = "mlflow-undelivered.json"

@@ -36,7 +36,7 @@ from kubejax.trainer import distributed, weights
 from kubejax.trainer.checkpoint import Checkpointer
 from kubejax.trainer.config import ConfigError, TrainConfig
 from kubejax.trainer.model import BertClassifier
-from kubejax.trainer.outputs import METRICS_FILE, MODEL_DIR
+from kubejax.trainer.outputs import METRICS_FILE, MODEL_DIR, UNDELIVERED_FILE
 from kubejax.trainer.steps import make_eval_step, make_train_step
 
 log = logging.getLogger("kubejax.trainer")
@@ -388,8 +388,8 @@ class Progress:
     for the device while the next step could already be running.
     """
 
-    def __init__(self, cfg, out: Path, tracker, total_steps: int, host_lr, history: dict):
-        self.cfg, self.out, self.tracker = cfg, out, tracker
+    def __init__(self, cfg, out: Path, tracker, total_steps: int, host_lr, history: dict, sampler):
+        self.cfg, self.out, self.tracker, self.sampler = cfg, out, tracker, sampler
         self.total_steps, self.host_lr, self.history = total_steps, host_lr, history
         self.is_main = jax.process_index() == 0
         self.pending = None
@@ -414,6 +414,7 @@ class Progress:
         m = {k: float(v) for k, v in jax.device_get(metrics).items()}
         if not math.isfinite(m["loss"]):
             self.diverged(step + 1, m["loss"])
+        self.sampler.count(self.cfg.global_batch_size // jax.process_count())
         w = self.window
         w["examples"] += self.cfg.global_batch_size
         w["tokens"] += m.pop("tokens")
@@ -507,6 +508,25 @@ class Progress:
             data["final"] = final
         _write_json(self.out / METRICS_FILE, data)
 
+    def undelivered(self, lost: list[tuple]) -> None:
+        """Metric values MLflow never took (a long outage): kept in a file beside
+        metrics.json, counted there and reported, never silently dropped."""
+        if not (self.is_main and lost):
+            return
+        path = self.out / UNDELIVERED_FILE
+        rows = [dict(zip(("key", "value", "timestamp_ms", "step"), m, strict=True)) for m in lost]
+        _write_json(path, {"run_id": self.tracker.run_id, "metrics": rows})
+        metrics_path = self.out / METRICS_FILE
+        if metrics_path.exists():
+            data = json.loads(metrics_path.read_text())
+            _write_json(metrics_path, {**data, "mlflow_undelivered": len(lost)})
+        print(
+            f"kubejax trainer: warning: {len(lost)} metric values could not be delivered to "
+            f"MLflow run {self.tracker.run_id}; they are kept in {path}",
+            file=sys.stderr,
+            flush=True,
+        )
+
 
 def export_model(cfg: TrainConfig, graphdef, params, data: TrainData, tokenizer_dir) -> None:
     """The final model folder (HF layout, tokenizer and labels), written by process 0."""
@@ -548,7 +568,7 @@ def train_and_evaluate(cfg: TrainConfig) -> dict:
 
     tracker = start_tracker(cfg, data, resumed=resumed)
     system_monitor = tracker.start_system_metrics("worker-0")  # None on processes 1+
-    progress = Progress(cfg, out, tracker, total, host_lr, history)
+    progress = Progress(cfg, out, tracker, total, host_lr, history, sampler)
     progress.say(
         f"kubejax trainer: {jax.process_count()} process(es), {jax.device_count()} "
         f"{jax.devices()[0].platform} device(s); {len(data.train)} train rows, {total} steps"
@@ -604,7 +624,7 @@ def train_and_evaluate(cfg: TrainConfig) -> dict:
         monitoring.write_worker_summary(out, penv.process_id, sampler.stop())
         if system_monitor is not None:
             system_monitor.finish()
-        tracker.finish(status)
+        progress.undelivered(tracker.finish(status))
         ckpt.close()
 
 

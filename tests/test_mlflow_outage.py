@@ -1,0 +1,150 @@
+"""The MLflow server going down mid-run: metrics logged meanwhile are retried and arrive once it
+is back; those that never can are counted, reported and kept, never silently dropped.
+
+Each test runs its own real `mlflow server` on 127.0.0.1 and kills it (SIGKILL). MLflow's own
+HTTP retries are turned off (MLFLOW_HTTP_REQUEST_MAX_RETRIES=0), so every send during the
+outage fails at once and only kubejax's retry can bring the metrics back.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import subprocess
+import threading
+import time
+
+import pytest
+from mlflow.tracking import MlflowClient
+
+from kubejax import tracking
+from tests.conftest import MlflowServer
+from tests.helpers import tiny_args, trainer_cmd
+
+NO_HTTP_RETRIES = {
+    "MLFLOW_HTTP_REQUEST_MAX_RETRIES": "0",
+    "MLFLOW_HTTP_REQUEST_TIMEOUT": "5",
+}
+
+
+@pytest.fixture(scope="module")
+def _server(tmp_path_factory):
+    srv = MlflowServer(tmp_path_factory.mktemp("mlflow")).start()
+    yield srv
+    srv.stop()
+
+
+@pytest.fixture
+def server(_server, monkeypatch):
+    """The module's server, running (a test before may have left it stopped)."""
+    for k, v in NO_HTTP_RETRIES.items():
+        monkeypatch.setenv(k, v)
+    monkeypatch.setattr(tracking, "FLUSH_SECONDS", 0.2)
+    if _server.proc.poll() is not None:
+        _server.start()
+    return _server
+
+
+def _log_steps(tracker, steps, pause=0.0):
+    for step in steps:
+        tracker.log_metrics({"loss": 1.0 / step}, step=step)
+        time.sleep(pause)
+
+
+def _wait_for_failed_sends(tracker, timeout=30.0):
+    deadline = time.monotonic() + timeout
+    while not tracker._errors:
+        assert time.monotonic() < deadline, "no send failed while the server was down"
+        time.sleep(0.1)
+
+
+def test_outage_metrics_logged_while_down_arrive_after_the_restart(server):
+    tracker = tracking.create_tracker(server.uri, "outage", run_name="r")
+    _log_steps(tracker, range(1, 21), pause=0.02)
+    time.sleep(0.5)
+    server.stop()
+    _log_steps(tracker, range(21, 41), pause=0.02)
+    _wait_for_failed_sends(tracker)
+    server.start()
+    _log_steps(tracker, range(41, 61), pause=0.02)
+    assert tracker.finish() == []
+    client = MlflowClient(server.uri)
+    steps = sorted(m.step for m in client.get_metric_history(tracker.run_id, "loss"))
+    assert steps == list(range(1, 61))
+    assert client.get_run(tracker.run_id).info.status == "FINISHED"
+
+
+def test_outage_past_the_retries_is_counted_and_reported(server, monkeypatch, caplog):
+    monkeypatch.setattr(tracking, "FINISH_RETRY_SECONDS", 1.0)
+    tracker = tracking.create_tracker(server.uri, "outage", run_name="r")
+    _log_steps(tracker, range(1, 11))
+    time.sleep(0.5)
+    server.stop()
+    _log_steps(tracker, range(11, 21))
+    with caplog.at_level(logging.WARNING, logger="kubejax.tracking"):
+        lost = tracker.finish()
+    assert sorted(step for key, _, _, step in lost if key == "loss") == list(range(11, 21))
+    assert "10 metric values" in caplog.text and tracker.run_id in caplog.text
+
+
+@pytest.mark.slow
+def test_outage_during_training_loses_no_metric(server, tmp_path, tiny_model_dir, prepared):
+    out, steps = tmp_path / "out", 2000
+    args = tiny_args(
+        tiny_model_dir,
+        prepared,
+        out,
+        max_steps=steps,
+        eval_every=500,
+        mlflow_tracking_uri=server.uri,
+        mlflow_experiment="outage",
+    )
+    proc = subprocess.Popen(
+        trainer_cmd(*args),
+        env={**os.environ, **NO_HTTP_RETRIES},
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
+    lines: list[str] = []
+    reader = threading.Thread(target=lambda: lines.extend(proc.stdout), daemon=True)
+    reader.start()
+
+    def wait_for(predicate, what):
+        deadline = time.monotonic() + 240
+        while not predicate():
+            assert proc.poll() is None, "".join(lines)
+            assert time.monotonic() < deadline, f"timed out waiting for {what}"
+            time.sleep(0.1)
+
+    metrics = out / "metrics.json"
+    wait_for(lambda: metrics.exists() and json.loads(metrics.read_text())["step"] >= 20, "step 20")
+    server.stop()
+    wait_for(lambda: any("will retry" in line for line in lines), "a failed send")
+    during = json.loads(metrics.read_text())
+    server.start()
+    proc.wait(timeout=300)
+    reader.join(10)
+    output = "".join(lines)
+    assert proc.returncode == 0, output
+    done = json.loads(metrics.read_text())
+    assert during["status"] == "running" and during["step"] < done["step"] == steps
+    assert "delayed metric values sent" in output
+    assert "mlflow_undelivered" not in done and not (out / "mlflow-undelivered.json").exists()
+    history = MlflowClient(server.uri).get_metric_history(done["mlflow_run_id"], "loss")
+    assert sorted(m.step for m in history) == [r["step"] for r in done["train"]]
+
+
+def test_undelivered_metrics_are_kept_beside_metrics_json(tmp_path, capsys):
+    from kubejax.trainer.train import Progress
+
+    tracker = tracking.Tracker()
+    tracker.run_id = "run-1"
+    (tmp_path / "metrics.json").write_text(json.dumps({"status": "completed", "step": 3}))
+    progress = Progress(None, tmp_path, tracker, 3, [], {"train": [], "evals": []}, None)
+    progress.undelivered([("loss", 0.5, 1700000000000, 2), ("loss", 0.4, 1700000000001, 3)])
+    kept = json.loads((tmp_path / "mlflow-undelivered.json").read_text())
+    assert kept["run_id"] == "run-1" and [m["step"] for m in kept["metrics"]] == [2, 3]
+    assert json.loads((tmp_path / "metrics.json").read_text())["mlflow_undelivered"] == 2
+    assert "2 metric values could not be delivered to MLflow run run-1" in capsys.readouterr().err
