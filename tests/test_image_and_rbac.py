@@ -29,9 +29,12 @@ def test_image_python_is_allowed_by_pyproject():
 
 
 def test_image_installs_the_package_with_pyprojects_pins():
-    # The image installs `.` (or `.[cuda]`), so every version comes from pyproject.toml; any
-    # explicit pin in the Dockerfile must satisfy pyproject's range for that package.
-    assert "pip install . ;;" in DOCKERFILE and 'pip install ".[cuda]"' in DOCKERFILE
+    # The image installs `.[server]` (or `.[cuda,server]`), so every version comes from
+    # pyproject.toml; any explicit pin in the Dockerfile must satisfy pyproject's range.
+    assert 'pip install ".[server]"' in DOCKERFILE and 'pip install ".[cuda,server]"' in DOCKERFILE
+    server = PYPROJECT["project"]["optional-dependencies"]["server"]
+    mlflow = next(d for d in PYPROJECT["project"]["dependencies"] if d.startswith("mlflow>="))
+    assert server == [mlflow.replace("mlflow", "mlflow[auth]", 1)]
     deps = {re.split(r"[<>=\[ ]", d)[0]: d for d in PYPROJECT["project"]["dependencies"]}
     for name, version in re.findall(r"([A-Za-z0-9_.-]+)==([0-9][\w.]*)", DOCKERFILE):
         spec = SpecifierSet(deps[name][len(name) :].split(";")[0])
@@ -41,8 +44,12 @@ def test_image_installs_the_package_with_pyprojects_pins():
     assert any(d.startswith("jax[cuda12]") and d.endswith(jax.removeprefix("jax")) for d in cuda)
 
 
-def test_image_runs_as_non_root_and_tag_follows_the_version():
+def test_image_runs_as_non_root_on_a_pinned_base_and_tag_follows_the_version():
     assert re.search(r"^USER 1000$", DOCKERFILE, re.M)
+    # A Python patch release on a named Debian release, not a moving tag such as 3.12-slim.
+    assert re.search(
+        r"^FROM python:3\.12\.\d+-slim-(bookworm|trixie)(@sha256:[0-9a-f]{64})?$", DOCKERFILE, re.M
+    )
     assert f"{IMAGE_REPOSITORY}:{__version__}" == IMAGE
     makefile = (ROOT / "Makefile").read_text()
     assert "src/kubejax/version.py" in makefile and "kubejax:$(VERSION)" in makefile
@@ -104,7 +111,7 @@ def _verb(method: str, path: str) -> tuple[str, str] | None:
 def _granted() -> set[tuple[str, str]]:
     roles = [
         d
-        for d in yaml.safe_load_all((ROOT / "manifests" / "rbac.yaml").read_text())
+        for d in yaml.safe_load_all((ROOT / "deploy" / "kubejax" / "rbac.yaml").read_text())
         if d["kind"] in ("Role", "ClusterRole")
     ]
     return {

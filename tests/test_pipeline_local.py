@@ -222,6 +222,14 @@ def test_compiled_pipeline_parses_as_kfp_protos(name):
     }
     train = configs["exec-train"]
     assert train.secret_as_env[0].secret_name == "mlflow-credentials"
+    # Worker placement (the GPU profile): pipeline parameters, on the train and sweep tasks.
+    placed = ["exec-train", "exec-tune-sweep"] if name == "kubejax-yelp" else ["exec-train"]
+    for executor in placed:
+        config = configs[executor]
+        selector = config.node_selector.node_selector_json.component_input_parameter
+        assert selector == "worker_node_selector"
+        tolerations = [t.toleration_json.component_input_parameter for t in config.tolerations]
+        assert tolerations == ["worker_tolerations"]
     train_exec = docs[0]["deploymentSpec"]["executors"]["exec-train"]["container"]
     assert train_exec["image"].startswith("ghcr.io/kubejax/kubejax:")
     passthroughs = docs[0]["components"]["comp-train"].get("taskConfigPassthroughs", [])

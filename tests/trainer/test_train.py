@@ -325,6 +325,43 @@ def _damage(step_dir: Path) -> None:
             f.write_bytes(f.read_bytes()[: f.stat().st_size // 3])
 
 
+def _file_size_limit(limit: int):
+    """A process where writing past `limit` bytes fails as on a full disk (EFBIG)."""
+    import resource
+    import signal
+
+    def apply():
+        signal.signal(signal.SIGXFSZ, signal.SIG_IGN)  # fail the write, do not kill
+        resource.setrlimit(resource.RLIMIT_FSIZE, (limit, limit))
+
+    return apply
+
+
+def test_a_full_disk_during_a_checkpoint_write_keeps_the_previous_one(
+    tmp_path, tiny_model_dir, prepared
+):
+    out = tmp_path / "out"
+    assert (
+        trainer_main(tiny_args(tiny_model_dir, prepared, out, max_steps=4, checkpoint_every=2)) == 0
+    )
+    # The resumed run's checkpoint of step 6 cannot be written (its largest file is ~3.6 MB).
+    args = tiny_args(tiny_model_dir, prepared, out, max_steps=8, checkpoint_every=2)
+    full = subprocess.run(
+        trainer_cmd(*args), capture_output=True, text=True, preexec_fn=_file_size_limit(2**20)
+    )
+    assert full.returncode == 2, full.stderr[-2000:]
+    assert (
+        f"checkpoint: writing step 6 in {out.resolve() / 'checkpoints'} failed (File too large); "
+        "the checkpoint of step 4 is intact and a rerun resumes from it"
+    ) in full.stderr
+    assert json.loads((out / "metrics.json").read_text())["final"]["steps"] == 4  # not 8
+    # With room again, the next run resumes from step 4 and clears the partial write.
+    again = subprocess.run(trainer_cmd(*args), capture_output=True, text=True)
+    assert again.returncode == 0 and "resumed at step 4" in again.stdout, again.stderr[-2000:]
+    assert sorted(p.name for p in (out / "checkpoints").iterdir()) == ["6", "8"]
+    assert json.loads((out / "metrics.json").read_text())["final"]["steps"] == 8
+
+
 def test_an_unreadable_checkpoint_falls_back_to_the_one_before(
     tmp_path, capsys, tiny_model_dir, prepared
 ):

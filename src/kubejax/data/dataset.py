@@ -57,7 +57,12 @@ def load_split(data_dir: str | Path, split: str, *, with_text: bool = False) -> 
 
     path = Path(data_dir) / split
     if not path.is_dir():
-        raise DatasetError(f"data_dir: {data_dir} has no {split!r} split")
+        have = sorted(
+            d.name for d in Path(data_dir).iterdir() if (d / "dataset_info.json").exists()
+        )
+        raise DatasetError(
+            f"split: {split!r} is not a split of {data_dir} (it has {', '.join(have) or 'none'})"
+        )
     try:
         ds = datasets.load_from_disk(str(path))
     except (IndexError, FileNotFoundError, ValueError) as err:

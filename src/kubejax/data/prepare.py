@@ -85,6 +85,13 @@ class PrepareConfig:
                 raise PrepareError(f"{name}: must be between 0 and 1, got {getattr(self, name)}")
         if self.max_length < 8:
             raise PrepareError(f"max_length: must be at least 8, got {self.max_length}")
+        for name in ("max_train_samples", "max_validation_samples", "max_test_samples"):
+            if getattr(self, name) < 0:
+                raise PrepareError(f"{name}: must be 0 (no cap) or more, got {getattr(self, name)}")
+        if self.num_labels < 0 or self.num_labels == 1:
+            raise PrepareError(
+                f"num_labels: must be 0 (from the data) or at least 2, got {self.num_labels}"
+            )
 
 
 def _parse_split(spec: str) -> tuple[str, str | None, str | None]:
@@ -246,10 +253,25 @@ def build_label_mapping(
         for k, v in sorted(mapping.items(), key=lambda kv: kv[1]):
             names[v] = names[v] or k
         return mapping, [n if n is not None else str(i) for i, n in enumerate(names)]
-    if all(re.fullmatch(r"-?\d+(\.0+)?", v) for v in values):
+    numeric = [v for v in values if re.fullmatch(r"-?\d+(\.0+)?", v)]
+    if numeric and len(numeric) < len(values):
+        text = [v for v in values if v not in numeric]
+        raise PrepareError(
+            f"label_column: labels mix numbers ({', '.join(numeric[:5])}) and text "
+            f"({', '.join(repr(t) for t in text[:5])}); use one kind, or map them with "
+            "label_mapping"
+        )
+    if numeric:
         ints = sorted({int(float(v)) for v in values})
         if ints[0] < 0:
             raise PrepareError(f"label_column: negative labels {ints[:5]}")
+        gaps = sorted(set(range(ints[0], ints[-1] + 1)) - set(ints))
+        if gaps and not cfg.num_labels and class_names is None:
+            raise PrepareError(
+                f"label_column: labels {ints[0]}..{ints[-1]} miss {gaps[:5]}, so "
+                f"{ints[-1]} looks out of range; set num_labels (or label_mapping) if the "
+                "classes are right"
+            )
         # 1-based classes (stars 1..5) become 0-based; 0-based stay.
         offset = 1 if ints[0] == 1 and class_names is None else 0
         top = ints[-1] - offset

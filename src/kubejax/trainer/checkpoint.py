@@ -2,16 +2,30 @@
 
 Restore order: the latest complete checkpoint of this output folder, else a fresh start.
 Orbax writes each step to a temporary folder and renames it when complete, so a worker killed
-mid-save leaves no checkpoint that looks valid.
+mid-save, or a full disk, leaves no checkpoint that looks valid: the previous one stays the
+latest, and the next run removes the partial folder. A failed write stops the run with
+`CheckpointWriteError`, naming the step, the folder and the cause.
 """
 
 from __future__ import annotations
 
+import re
 import time
 from pathlib import Path
 
 import jax
 import orbax.checkpoint as ocp
+
+from kubejax.errors import KubejaxError
+
+_OS_CAUSE = re.compile(
+    r"No space left on device|File too large|Disk quota exceeded|Read-only file system"
+    r"|Permission denied|Input/output error"
+)
+
+
+class CheckpointWriteError(KubejaxError, OSError):
+    """A checkpoint could not be written (disk full, quota, permissions)."""
 
 
 class Checkpointer:
@@ -21,8 +35,11 @@ class Checkpointer:
         self.directory = Path(output_dir).resolve() / "checkpoints"
         self.manager = ocp.CheckpointManager(
             self.directory,
-            options=ocp.CheckpointManagerOptions(max_to_keep=keep, create=True),
+            options=ocp.CheckpointManagerOptions(
+                max_to_keep=keep, create=True, cleanup_tmp_directories=True
+            ),
         )
+        self.saving: int | None = None  # the step whose asynchronous write may still fail
 
     def latest_step(self) -> int | None:
         """The step of the newest complete checkpoint, if any."""
@@ -49,14 +66,40 @@ class Checkpointer:
         return sorted(self.manager.all_steps())
 
     def save(self, step: int, state: dict, meta: dict) -> None:
-        """Start saving `state` at `step` (asynchronously; `wait` before exit)."""
-        self.manager.save(
-            step,
-            args=ocp.args.Composite(
-                state=ocp.args.StandardSave(state), meta=ocp.args.JsonSave(meta)
-            ),
-            force=True,
-        )
+        """Start saving `state` at `step` (asynchronously; `wait` before exit). A failure of
+        the save before it surfaces here or in `wait`."""
+        with self._reporting():
+            self.manager.save(
+                step,
+                args=ocp.args.Composite(
+                    state=ocp.args.StandardSave(state), meta=ocp.args.JsonSave(meta)
+                ),
+                force=True,
+            )
+        self.saving = step
+
+    def _reporting(self):
+        """Turn orbax's write failure (an error from its background thread) into one line."""
+        import contextlib
+
+        @contextlib.contextmanager
+        def guard():
+            try:
+                yield
+            except Exception as err:
+                cause = _OS_CAUSE.search(str(err))
+                step, kept = self.saving, self.manager.latest_step()
+                raise CheckpointWriteError(
+                    f"checkpoint: writing step {step} in {self.directory} failed "
+                    f"({cause[0] if cause else type(err).__name__}); "
+                    + (
+                        f"the checkpoint of step {kept} is intact and a rerun resumes from it"
+                        if kept is not None
+                        else "no earlier checkpoint exists"
+                    )
+                ) from err
+
+        return guard()
 
     def restore(self, step: int, like: dict) -> tuple[dict, dict]:
         """Restore (state, meta) at `step` into the structure and shardings of `like`."""
@@ -76,7 +119,13 @@ class Checkpointer:
 
     def wait(self) -> None:
         """Block until pending saves are complete."""
-        self.manager.wait_until_finished()
+        with self._reporting():
+            self.manager.wait_until_finished()
+        self.saving = None
 
     def close(self) -> None:
-        self.manager.close()
+        """Release orbax's threads; a write failure was reported by `save` or `wait`."""
+        import contextlib
+
+        with contextlib.suppress(Exception):
+            self.manager.close()
