@@ -49,7 +49,9 @@ def test_model_with_missing_files(trained_tiny, prepared, tmp_path):
 def test_dataset_without_test_split(trained_tiny, prepared, tmp_path):
     data = shutil.copytree(prepared, tmp_path / "d")
     shutil.rmtree(data / "test")
-    with pytest.raises(EvaluationError, match="no 'test' split"):
+    with pytest.raises(
+        EvaluationError, match=r"split: 'test' is not a split of .* \(it has train, validation\)"
+    ):
         evaluate_model(trained_tiny / "model", data)
 
 

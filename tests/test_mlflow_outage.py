@@ -90,7 +90,7 @@ def test_outage_past_the_retries_is_counted_and_reported(server, monkeypatch, ca
 
 @pytest.mark.slow
 def test_outage_during_training_loses_no_metric(server, tmp_path, tiny_model_dir, prepared):
-    out, steps = tmp_path / "out", 2000
+    out, steps = tmp_path / "out", 1500
     args = tiny_args(
         tiny_model_dir,
         prepared,

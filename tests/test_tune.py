@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import math
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -123,6 +124,31 @@ def test_a_failing_trial_is_tolerated(client, tmp_path):
     )
     assert r.counts == {"complete": 2, "pruned": 0, "failed": 1}
     assert r.best_params == {"x": 0.3}
+
+
+def test_a_trial_hanging_past_its_timeout_fails_and_its_job_is_deleted(client, tmp_path):
+    space = {"x": {"type": "categorical", "choices": [0.1, 0.3, 0.9]}}
+    quick = factory(steps=2)
+
+    def hang_at_09(number, params, out, name):
+        spec = quick(number, params, out, name)
+        if params["x"] == 0.9:  # this trial never finishes on its own
+            spec.args[spec.args.index("--sleep") + 1] = "600"
+        return spec
+
+    started = time.monotonic()
+    r = tune(
+        _cfg(space, algorithm="grid", max_trials=3, parallelism=3, trial_timeout=3),
+        hang_at_09,
+        tmp_path / "t",
+        client=client,
+        log=lambda _: None,
+    )
+    assert time.monotonic() - started < 60
+    assert r.counts == {"complete": 2, "pruned": 0, "failed": 1}
+    hung = next(t for t in r.trials if t["state"] == "failed")
+    assert hung["params"] == {"x": 0.9}
+    assert client.list_jobs() == []  # its job (and worker process) deleted
 
 
 def test_too_many_failures_stop_the_sweep(client, tmp_path):
