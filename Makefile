@@ -79,6 +79,7 @@ bench: $(STAMP)
 # the README: docs/<task>.png. Runs the demo first when $(WORKDIR) has none.
 REPORTS := prepare-yelp tune-sweep train evaluate
 screenshots: $(VENV)/.installed-demo
+	@command -v chromium > /dev/null || { echo "make screenshots: needs chromium (Debian: apt-get install chromium)" >&2; exit 2; }
 	test -f $(WORKDIR)/summary.json || $(BIN)/kubejax run --local --workdir $(WORKDIR)
 	mkdir -p docs
 	for task in $(REPORTS); do \
@@ -86,7 +87,7 @@ screenshots: $(VENV)/.installed-demo
 	  cp "$$report" "$(WORKDIR)/$$task-report.html"; \
 	  chromium --headless --no-sandbox --disable-gpu --hide-scrollbars \
 	    --window-size=1200,1600 --screenshot="docs/$$task.png" \
-	    "file://$$(realpath $(WORKDIR)/$$task-report.html)" 2>/dev/null; \
+	    "file://$$(realpath $(WORKDIR)/$$task-report.html)" 2>/dev/null || exit 1; \
 	done
 	ls -l docs/*.png
 

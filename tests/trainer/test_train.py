@@ -325,16 +325,11 @@ def _damage(step_dir: Path) -> None:
             f.write_bytes(f.read_bytes()[: f.stat().st_size // 3])
 
 
-def _file_size_limit(limit: int):
-    """A process where writing past `limit` bytes fails as on a full disk (EFBIG)."""
-    import resource
-    import signal
-
-    def apply():
-        signal.signal(signal.SIGXFSZ, signal.SIG_IGN)  # fail the write, do not kill
-        resource.setrlimit(resource.RLIMIT_FSIZE, (limit, limit))
-
-    return apply
+def _file_size_limit(limit_kib: int, cmd: list[str]) -> list[str]:
+    """`cmd` in a shell where writing past `limit_kib` KiB fails as on a full disk (EFBIG; the
+    ignored SIGXFSZ and the limit pass through exec). No preexec_fn: no Python runs between
+    fork and exec in a process that has JAX's threads."""
+    return ["bash", "-c", f'trap "" XFSZ; ulimit -f {limit_kib}; exec "$@"', "limit", *cmd]
 
 
 def test_a_full_disk_during_a_checkpoint_write_keeps_the_previous_one(
@@ -347,7 +342,7 @@ def test_a_full_disk_during_a_checkpoint_write_keeps_the_previous_one(
     # The resumed run's checkpoint of step 6 cannot be written (its largest file is ~3.6 MB).
     args = tiny_args(tiny_model_dir, prepared, out, max_steps=8, checkpoint_every=2)
     full = subprocess.run(
-        trainer_cmd(*args), capture_output=True, text=True, preexec_fn=_file_size_limit(2**20)
+        _file_size_limit(1024, trainer_cmd(*args)), capture_output=True, text=True
     )
     assert full.returncode == 2, full.stderr[-2000:]
     assert (
