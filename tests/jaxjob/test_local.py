@@ -29,6 +29,18 @@ def _alive(pid: int) -> bool:
         return False
 
 
+def _kill_and_check_workers_die(launcher, pids: list[int]) -> None:
+    """SIGKILL the launcher process; its workers must be gone within 10 s."""
+    import signal
+
+    launcher.send_signal(signal.SIGKILL)
+    launcher.wait()
+    deadline = time.monotonic() + 10
+    while any(_alive(p) for p in pids) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert not any(_alive(p) for p in pids)
+
+
 def _pids(client, name: str, n: int) -> list[int]:
     """The job's worker pids, once all `n` workers have started."""
     deadline = time.monotonic() + 30
@@ -231,7 +243,6 @@ time.sleep(120)
 
 
 def test_a_launcher_killed_with_sigkill_leaves_no_orphan_worker(tmp_path):
-    import signal
     import subprocess
 
     launcher = subprocess.Popen(
@@ -241,12 +252,7 @@ def test_a_launcher_killed_with_sigkill_leaves_no_orphan_worker(tmp_path):
     )
     pids = [int(p) for p in launcher.stdout.readline().split()]
     assert len(pids) == 2 and all(_alive(p) for p in pids)
-    launcher.send_signal(signal.SIGKILL)
-    launcher.wait()
-    deadline = time.monotonic() + 10
-    while any(_alive(p) for p in pids) and time.monotonic() < deadline:
-        time.sleep(0.05)
-    assert not any(_alive(p) for p in pids)
+    _kill_and_check_workers_die(launcher, pids)
 
 
 _TRAIN_LAUNCHER = """
@@ -267,7 +273,6 @@ def test_a_restarted_launcher_reattaches_to_its_local_job(tmp_path, tiny_model_d
     """The launcher SIGKILLed mid-run (its workers die with it); a new launcher of the same job
     resumes that job from its checkpoint instead of starting a second one, and a launcher
     started after the job finished takes its result without running anything."""
-    import signal
     import subprocess
 
     out, logs = tmp_path / "out", tmp_path / "logs"
@@ -289,12 +294,7 @@ def test_a_restarted_launcher_reattaches_to_its_local_job(tmp_path, tiny_model_d
         assert first.poll() is None and time.monotonic() < deadline, first.stdout.read()
         time.sleep(0.1)
     workers = json.loads(record.read_text())["worker_pids"]
-    first.send_signal(signal.SIGKILL)
-    first.wait()
-    deadline = time.monotonic() + 10
-    while any(_alive(p) for p in workers) and time.monotonic() < deadline:
-        time.sleep(0.05)
-    assert not any(_alive(p) for p in workers)
+    _kill_and_check_workers_die(first, workers)
     saved = [int(c.name) for c in (out / "checkpoints").iterdir() if c.name.isdigit()]
     assert max(saved) < 800
 

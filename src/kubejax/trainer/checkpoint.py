@@ -9,8 +9,10 @@ latest, and the next run removes the partial folder. A failed write stops the ru
 
 from __future__ import annotations
 
+import contextlib
 import re
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 import jax
@@ -78,28 +80,23 @@ class Checkpointer:
             )
         self.saving = step
 
-    def _reporting(self):
+    @contextlib.contextmanager
+    def _reporting(self) -> Iterator[None]:
         """Turn orbax's write failure (an error from its background thread) into one line."""
-        import contextlib
-
-        @contextlib.contextmanager
-        def guard():
-            try:
-                yield
-            except Exception as err:
-                cause = _OS_CAUSE.search(str(err))
-                step, kept = self.saving, self.manager.latest_step()
-                raise CheckpointWriteError(
-                    f"checkpoint: writing step {step} in {self.directory} failed "
-                    f"({cause[0] if cause else type(err).__name__}); "
-                    + (
-                        f"the checkpoint of step {kept} is intact and a rerun resumes from it"
-                        if kept is not None
-                        else "no earlier checkpoint exists"
-                    )
-                ) from err
-
-        return guard()
+        try:
+            yield
+        except Exception as err:
+            cause = _OS_CAUSE.search(str(err))
+            step, kept = self.saving, self.manager.latest_step()
+            raise CheckpointWriteError(
+                f"checkpoint: writing step {step} in {self.directory} failed "
+                f"({cause[0] if cause else type(err).__name__}); "
+                + (
+                    f"the checkpoint of step {kept} is intact and a rerun resumes from it"
+                    if kept is not None
+                    else "no earlier checkpoint exists"
+                )
+            ) from err
 
     def restore(self, step: int, like: dict) -> tuple[dict, dict]:
         """Restore (state, meta) at `step` into the structure and shardings of `like`."""
@@ -125,7 +122,5 @@ class Checkpointer:
 
     def close(self) -> None:
         """Release orbax's threads; a write failure was reported by `save` or `wait`."""
-        import contextlib
-
         with contextlib.suppress(Exception):
             self.manager.close()
