@@ -143,25 +143,22 @@ def _first_step_seconds(lines: list[tuple]) -> float:
 def compile_and_trial(model: str, data: Path, work: Path, batch: int) -> dict:
     from kubejax.jaxjob.client import JAXJobClient
     from kubejax.jaxjob.launch import run_job
-    from kubejax.jaxjob.spec import JAXJobSpec
+    from kubejax.launchers.sweep import trainer_trial_spec
 
     env = {"JAX_COMPILATION_CACHE_DIR": str(work / "cache-compile")}
     common = dict(
-        model=model, data_dir=data, max_steps=1, global_batch_size=batch, max_length=128,
-        log_every=1, max_eval_examples=batch,
+        model=model, max_steps=1, global_batch_size=batch, max_length=128, log_every=1,
+        max_eval_examples=batch,
     )  # fmt: skip
-    _, cold = _run(_flags(**common, output_dir=work / "compile-cold"), env)
-    _, warm = _run(_flags(**common, output_dir=work / "compile-warm"), env)
-    client = JAXJobClient("local", log_root=work / "logs")
-    spec = JAXJobSpec(
-        name="one-step-trial",
-        image="local",
-        command=TRAINER,
-        args=_flags(**common, output_dir=work / "trial"),
-        env=[{"name": k, "value": v} for k, v in env.items()],
+    _, cold = _run(_flags(**common, data_dir=data, output_dir=work / "compile-cold"), env)
+    _, warm = _run(_flags(**common, data_dir=data, output_dir=work / "compile-warm"), env)
+    # The trial exactly as a sweep makes it (its settings, its job), on the local backend.
+    make = trainer_trial_spec(
+        image="local", replicas=1, data_dir=str(data), hyperparameters=common, extra_env=env
     )
+    client = JAXJobClient("local", log_root=work / "logs")
     t = time.monotonic()
-    run_job(client, spec, timeout=1800, log=None)
+    run_job(client, make(0, {}, str(work / "trial"), "one-step-trial"), timeout=1800, log=None)
     return {
         "compile_s_cold": round(_first_step_seconds(cold), 2),
         "compile_s_warm": round(_first_step_seconds(warm), 2),

@@ -62,9 +62,8 @@ def minilm_dir(tmp_path_factory) -> Path:
 def tiny_model_dir(tmp_path_factory, minilm_dir) -> Path:
     """A tiny random BERT checkpoint folder (HF layout) with MiniLM's tokenizer."""
     from flax import nnx
-    from transformers import BertConfig
 
-    from kubejax.trainer.model import BertClassifier
+    from kubejax.trainer.model import BertClassifier, BertConfig
     from kubejax.trainer.weights import save_model_dir
 
     out = tmp_path_factory.mktemp("tiny") / "tiny-bert"

@@ -43,7 +43,12 @@ def tiny_args(model_dir: Path, data_dir: Path, out_dir: Path, **overrides) -> li
     flags.update(overrides)
     out = []
     for k, v in flags.items():
-        out += ["--" + k.replace("_", "-"), str(v)]
+        name = k.replace("_", "-")
+        out += (
+            ([f"--{name}"] if v else [f"--no-{name}"])
+            if isinstance(v, bool)
+            else [f"--{name}", str(v)]
+        )
     return out
 
 

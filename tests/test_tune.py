@@ -477,6 +477,13 @@ def test_trial_jobs_take_booleans_and_their_own_worker_count():
     spec = make(0, {"nesterov": True, "momentum": 0.8, "replicas": 2}, "/o", "trial-0-x")
     assert "--nesterov" in spec.args and spec.replicas == 2
     assert "--replicas" not in spec.args
+    # Trials are never resumed and their model is not used: no final checkpoint, no export,
+    # unless the fixed settings ask for them.
+    assert "--no-save-final" in spec.args
+    keep = trainer_trial_spec(
+        image="i", replicas=1, data_dir="/d", hyperparameters={"model": "m", "save_final": True}
+    )
+    assert "--save-final" in keep(1, {}, "/o", "trial-1-x").args
 
 
 def test_a_trial_whose_loss_diverges_fails_and_the_sweep_goes_on(

@@ -12,7 +12,7 @@ import pandas as pd
 import pytest
 
 from kubejax.cli import main as cli_main
-from kubejax.data.dataset import load_split
+from kubejax.data.dataset import TokenizedSplit, eval_batches, load_split
 from kubejax.data.prepare import PrepareConfig, PrepareError, prepare_yelp, write_report
 from kubejax.data.synthetic import generate_reviews
 from tests.helpers import assert_self_contained_report
@@ -42,6 +42,11 @@ def _write(df: pd.DataFrame, path: Path) -> Path:
     return path
 
 
+def load_split_like(lengths: list[int]) -> TokenizedSplit:
+    offsets = np.concatenate([[0], np.cumsum(lengths)]).astype(np.int64)
+    return TokenizedSplit(np.ones(offsets[-1], np.int32), offsets, np.zeros(len(lengths), np.int32))
+
+
 @pytest.mark.parametrize("suffix", [".csv", ".tsv", ".json", ".jsonl", ".parquet"])
 def test_each_file_format(tmp_path, minilm_dir, suffix):
     src = _write(_frame(), tmp_path / f"reviews{suffix}")
@@ -52,6 +57,33 @@ def test_each_file_format(tmp_path, minilm_dir, suffix):
     train = load_split(tmp_path / "out", "train")
     assert train.labels.min() == 0 and train.labels.max() == 4
     assert (train.lengths <= 32).all()
+
+
+def test_a_split_of_several_shards_reads_as_datasets_reads_it(tmp_path):
+    rows = {"input_ids": [[101, *range(7, 7 + n), 102] for n in range(50)], "label": [1, 2] * 25}
+    datasets.Dataset.from_dict(rows).save_to_disk(str(tmp_path / "train"), num_shards=3)
+    split = load_split(tmp_path, "train")
+    ds = datasets.load_from_disk(str(tmp_path / "train"))
+    assert split.labels.tolist() == ds["label"]
+    assert split.lengths.tolist() == [len(r) for r in ds["input_ids"]]
+    assert split.values[split.offsets[49] : split.offsets[50]].tolist() == ds[49]["input_ids"]
+
+
+@pytest.mark.parametrize(
+    "rows, processes, sizes",
+    [(75, 1, [32, 32, 16]), (75, 4, [32, 32, 16]), (65, 1, [32, 32, 1]), (65, 2, [32, 32, 2]),
+     (65, 4, [32, 32, 4]), (64, 2, [32, 32])],
+)  # fmt: skip
+def test_the_last_evaluation_batch_is_padded_to_a_power_of_two_only(rows, processes, sizes):
+    split = load_split_like(lengths=[5] * (rows - 5) + [9] * 5)
+    per_process = [
+        list(eval_batches(split, batch_size=32, process_index=p, process_count=processes,
+                          bucket_multiple=8, max_length=16))
+        for p in range(processes)
+    ]  # fmt: skip
+    assert [sum(len(b[i]["weights"]) for b in per_process) for i in range(len(sizes))] == sizes
+    real = np.concatenate([b["rows"][b["weights"] > 0] for bs in per_process for b in bs])
+    assert sorted(real.tolist()) == list(range(rows))  # every row once, padding weighted 0
 
 
 def test_zhang_csv_layout_folder(tmp_path, minilm_dir, yelp_dir):

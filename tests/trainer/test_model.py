@@ -2,6 +2,11 @@
 
 from __future__ import annotations
 
+import json
+import re
+import subprocess
+import sys
+
 import numpy as np
 import pytest
 import torch
@@ -106,6 +111,33 @@ def test_saved_model_folder_loads_in_transformers_and_back(tmp_path, minilm_dir)
     with torch.no_grad():
         hf_logits = hf(input_ids=torch.tensor(ids), attention_mask=torch.tensor(mask)).logits
     assert_close_to_scale(hf_logits.numpy(), model(ids, mask), 1e-4, "transformers' logits")
+
+
+def test_the_trainer_imports_neither_transformers_nor_torch():
+    # Every sweep trial pays its imports; transformers (and torch through it) cost over 2 s.
+    code = (
+        "import sys, kubejax.trainer.train; "
+        "print(sorted({'transformers', 'torch'} & set(sys.modules)))"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "[]"
+
+
+def test_config_fields_of_the_wrong_type_are_named(tmp_path):
+    for values, message in [
+        ({"hidden_size": "wide"}, "hidden_size: must be a positive integer, got 'wide'"),
+        ({"num_hidden_layers": 0}, "num_hidden_layers: must be a positive integer"),
+        ({"hidden_dropout_prob": "x"}, "hidden_dropout_prob: must be a non-negative number"),
+        ({"hidden_size": 30, "num_attention_heads": 4}, "not a multiple of num_attention_heads"),
+    ]:
+        (tmp_path / "config.json").write_text(json.dumps(values))
+        with pytest.raises(ValueError, match=re.escape(message)):
+            weights.load_config(tmp_path)
+    with pytest.raises(ValueError, match="hiden_size: not a BERT config field"):
+        weights.BertConfig.from_dict({"hiden_size": 32}, strict=True)
+    (tmp_path / "config.json").write_text("{not json")
+    with pytest.raises(ValueError, match="not valid JSON"):
+        weights.load_config(tmp_path)
 
 
 def test_checkpoint_folder_problems_are_named(tmp_path):

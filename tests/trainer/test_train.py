@@ -254,6 +254,18 @@ def test_each_optimizer_lowers_the_loss(optimizer, tmp_path, tiny_model_dir, six
     assert meta["config"]["optimizer"] == optimizer
 
 
+def test_without_save_final_a_run_keeps_no_final_checkpoint_and_no_model(
+    tmp_path, tiny_model_dir, sixteen_rows
+):
+    out = tmp_path / "trial"
+    flags = {"max_steps": 3, "checkpoint_every": 2, "save_final": False}
+    assert trainer_main(tiny_args(tiny_model_dir, sixteen_rows, out, **flags)) == 0
+    metrics = json.loads((out / "metrics.json").read_text())
+    assert metrics["status"] == "completed" and metrics["final"]["steps"] == 3
+    assert sorted(p.name for p in (out / "checkpoints").iterdir()) == ["2"]  # not 3
+    assert not (out / "model").exists()
+
+
 def test_resume_refuses_a_checkpoint_of_another_optimizer(
     tmp_path, capsys, tiny_model_dir, prepared
 ):

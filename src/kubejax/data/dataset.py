@@ -8,16 +8,19 @@ share of every global batch.
 from __future__ import annotations
 
 import json
+import math
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
 
-from kubejax.data.prepare import DEFAULT_BUCKET_MULTIPLE, METADATA_FILE  # noqa: F401 (re-exported)
 from kubejax.errors import KubejaxError
 
-#: Padded lengths are multiples of this, so the number of compiled shapes stays small.
+METADATA_FILE = "metadata.json"
+#: The input pipeline's default bucket_multiple: padded lengths are multiples of it.
+DEFAULT_BUCKET_MULTIPLE = 32
+
 #: Batches are formed from windows of this many batches sorted by length (length grouping).
 _SORT_WINDOW = 64
 
@@ -53,8 +56,6 @@ def read_metadata(data_dir: str | Path) -> dict:
 
 def load_split(data_dir: str | Path, split: str, *, with_text: bool = False) -> TokenizedSplit:
     """Load one split of a prepared dataset into NumPy arrays."""
-    import datasets
-
     path = Path(data_dir) / split
     if not path.is_dir():
         have = sorted(
@@ -64,16 +65,14 @@ def load_split(data_dir: str | Path, split: str, *, with_text: bool = False) -> 
             f"split: {split!r} is not a split of {data_dir} (it has {', '.join(have) or 'none'})"
         )
     try:
-        ds = datasets.load_from_disk(str(path))
-    except (IndexError, FileNotFoundError, ValueError) as err:
-        # datasets cannot load a split saved with no rows (no shards)
+        table = _read_saved_split(path)
+    except (OSError, ValueError, KeyError, TypeError) as err:
         raise DatasetError(
             f"data_dir: the {split!r} split of {data_dir} is empty or unreadable "
             f"({type(err).__name__}: {err})"
         ) from err
-    if len(ds) == 0:
+    if table.num_rows == 0:
         return TokenizedSplit(np.zeros(0, np.int32), np.zeros(1, np.int64), np.zeros(0, np.int32))
-    table = ds.data.table
     ids = table.column("input_ids").combine_chunks()
     offsets = ids.offsets.to_numpy().astype(np.int64)
     values = ids.values.to_numpy().astype(np.int32)
@@ -83,6 +82,19 @@ def load_split(data_dir: str | Path, split: str, *, with_text: bool = False) -> 
     if with_text and "text" in table.column_names:
         texts = table.column("text").to_pylist()
     return TokenizedSplit(values, offsets, labels, texts)
+
+
+def _read_saved_split(path: Path):
+    """The Arrow table of a split written by `datasets.Dataset.save_to_disk`: the shards named in
+    its state.json, memory-mapped. Read with pyarrow alone because importing `datasets` took
+    0.8 s of every sweep trial's start (bench/NOTES.md)."""
+    import pyarrow as pa
+
+    state = json.loads((path / "state.json").read_text())
+    files = [path / f["filename"] for f in state["_data_files"]]
+    if not files:
+        raise ValueError("no data files")  # save_to_disk of a split with no rows
+    return pa.concat_tables(pa.ipc.open_stream(pa.memory_map(str(f))).read_all() for f in files)
 
 
 def bucket_length(max_len: int, multiple: int, cap: int) -> int:
@@ -172,16 +184,22 @@ def eval_batches(
     limit: int = 0,
 ) -> Iterator[dict[str, np.ndarray]]:
     """Every row once, in length order, as global batches of `batch_size` with a `weights`
-    array: the last batch is padded with weight-0 rows so all processes keep the same shapes."""
+    array. The last batch is padded with weight-0 rows to a power of two per process (at most
+    `batch_size`), so all processes keep the same shapes without computing a whole batch of
+    padding for a few rows."""
     n = len(split) if limit <= 0 else min(limit, len(split))
     order = np.argsort(split.lengths[:n], kind="stable")
-    local = batch_size // process_count
     for start in range(0, n, batch_size):
         rows = order[start : start + batch_size]
-        weights = np.ones(batch_size, dtype=np.float32)
+        size = batch_size
         if len(rows) < batch_size:
+            per_process = 1 << (math.ceil(len(rows) / process_count) - 1).bit_length()
+            size = min(batch_size, per_process * process_count)
+        local = size // process_count
+        weights = np.ones(size, dtype=np.float32)
+        if len(rows) < size:
             weights[len(rows) :] = 0.0
-            rows = np.concatenate([rows, np.full(batch_size - len(rows), rows[0])])
+            rows = np.concatenate([rows, np.full(size - len(rows), rows[0])])
         length = bucket_length(int(split.lengths[rows].max()), bucket_multiple, max_length)
         mine = slice(process_index * local, (process_index + 1) * local)
         batch = gather(split, rows[mine], length)

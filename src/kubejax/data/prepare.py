@@ -29,15 +29,13 @@ import numpy as np
 import pandas as pd
 
 from kubejax import report
+from kubejax.data.dataset import DEFAULT_BUCKET_MULTIPLE, METADATA_FILE
 from kubejax.data.tokenizer import TokenizerError, load_tokenizer, tokenize
 from kubejax.errors import KubejaxError
 from kubejax.flags import setting as _f
 
 FORMATS = {".csv": "csv", ".tsv": "tsv", ".json": "json", ".jsonl": "jsonl", ".parquet": "parquet"}
 SPLITS = ("train", "validation", "test")
-METADATA_FILE = "metadata.json"
-#: The input pipeline's default bucket_multiple: padded lengths are multiples of it.
-DEFAULT_BUCKET_MULTIPLE = 32
 _SPLIT_RE = re.compile(r"^([A-Za-z_][\w.-]*)(?:\[(-?\d+%?)?:(-?\d+%?)?\])?$")
 
 

@@ -36,6 +36,9 @@ from kubejax.jaxjob.types import (  # noqa: F401  (re-exported: callers import t
 )
 
 POLL_SECONDS = 5.0
+#: A local job's status is in memory: looking costs nothing, and a sweep trial on the tiny or
+#: MiniLM model can end within seconds, so local jobs are looked at this often.
+LOCAL_POLL_SECONDS = 0.2
 BACKENDS = ("auto", "kubernetes", "trainjob", "jaxjob", "local")
 CLUSTER_ENGINES = ("trainjob", "jaxjob")
 #: (API group/version path, resource) that says a cluster serves each engine, preferred first.
@@ -115,6 +118,11 @@ class JAXJobClient:
         """True when jobs run on Kubernetes (their pods read data from the workspace)."""
         return self.engine in CLUSTER_ENGINES
 
+    def poll_interval(self, requested: float) -> float:
+        """Seconds between looks at a job: `requested` on a cluster (each look is an API call),
+        at most LOCAL_POLL_SECONDS locally."""
+        return requested if self.on_cluster else min(requested, LOCAL_POLL_SECONDS)
+
     @property
     def kind(self) -> str:
         """The kind of job this client creates, for messages."""
@@ -146,7 +154,7 @@ class JAXJobClient:
     ) -> JobStatus:
         """Poll until the job's state is in `status`; TimeoutError after `timeout` seconds."""
         return self._backend.wait_for_job_status(
-            name, set(status), timeout, polling_interval, callback
+            name, set(status), timeout, self.poll_interval(polling_interval), callback
         )
 
     def get_job_logs(self, name: str, follow: bool = False, worker: int = 0) -> Iterator[str]:

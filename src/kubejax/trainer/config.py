@@ -81,6 +81,11 @@ class TrainConfig:
     max_eval_examples: int = _f(0, "cap on validation examples per evaluation; 0 = all")
     checkpoint_every: int = _f(0, "save an Orbax checkpoint every N steps; 0 = at the end only")
     keep_checkpoints: int = _f(2, "checkpoints kept in output_dir/checkpoints")
+    save_final: bool = _f(
+        True,
+        "save the last checkpoint and export output_dir/model at the end (sweep trials, never "
+        "resumed and whose model is not used, turn it off)",
+    )
     allow_fresh_start: bool = _f(
         False, "start from step 0 when output_dir holds checkpoints but none can be read"
     )

@@ -34,31 +34,43 @@ def make_train_step(graphdef, tx, mesh, seed: int):
     @partial(jax.jit, donate_argnums=(0, 1), out_shardings=(rep, rep, rep))
     def train_step(params, opt_state, batch, step, learning_rate):
         key = jax.random.fold_in(base_key, step)
-        grad_fn = jax.value_and_grad(partial(loss_fn, graphdef, deterministic=False), has_aux=True)
-
-        def micro(carry, xs):
-            grads, loss, acc = carry
-            mb, i = xs
-            (mb_loss, (mb_acc, _)), g = grad_fn(params, mb, jax.random.fold_in(key, i))
-            return (jax.tree.map(jnp.add, grads, g), loss + mb_loss, acc + mb_acc), None
-
-        accum = batch["labels"].shape[0]
-        zeros = jax.tree.map(jnp.zeros_like, params)
-        init = (zeros, jnp.zeros(()), jnp.zeros(()))
-        (grads, loss, acc), _ = jax.lax.scan(micro, init, (batch, jnp.arange(accum)))
-        grads = jax.tree.map(lambda g: g / accum, grads)
+        # Dropout masks from the non-partitionable threefry: on CPU it makes them several times
+        # faster than the partitionable one (bench/NOTES.md). They stay a deterministic function
+        # of seed and step, the same for any sharding of the batch.
+        with jax.threefry_partitionable(False):
+            loss, acc, grads = _gradients(graphdef, params, batch, key)
         hyperparams = {**opt_state.hyperparams, "learning_rate": learning_rate}
         updates, opt_state = tx.update(grads, opt_state._replace(hyperparams=hyperparams), params)
         params = optax.apply_updates(params, updates)
         metrics = {
-            "loss": loss / accum,
-            "accuracy": acc / accum,
+            "loss": loss,
+            "accuracy": acc,
             "grad_norm": optax.tree.norm(grads),
             "tokens": batch["attention_mask"].sum(),
         }
         return params, opt_state, metrics
 
     return train_step
+
+
+def _gradients(graphdef, params, batch, key):
+    """Mean loss, accuracy and gradients over the micro-batches of [accum, micro, length]."""
+    grad_fn = jax.value_and_grad(partial(loss_fn, graphdef, deterministic=False), has_aux=True)
+    accum = batch["labels"].shape[0]
+    if accum == 1:
+        # No loop: a scan of one would still zero and add a copy of every gradient.
+        (loss, (acc, _)), grads = grad_fn(params, jax.tree.map(lambda x: x[0], batch), key)
+        return loss, acc, grads
+
+    def micro(carry, xs):
+        grads, loss, acc = carry
+        mb, i = xs
+        (mb_loss, (mb_acc, _)), g = grad_fn(params, mb, jax.random.fold_in(key, i))
+        return (jax.tree.map(jnp.add, grads, g), loss + mb_loss, acc + mb_acc), None
+
+    init = (jax.tree.map(jnp.zeros_like, params), jnp.zeros(()), jnp.zeros(()))
+    (grads, loss, acc), _ = jax.lax.scan(micro, init, (batch, jnp.arange(accum)))
+    return loss / accum, acc / accum, jax.tree.map(lambda g: g / accum, grads)
 
 
 def make_eval_step(graphdef, mesh):

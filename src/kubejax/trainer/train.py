@@ -35,7 +35,7 @@ from kubejax.errors import KubejaxError
 from kubejax.trainer import distributed, weights
 from kubejax.trainer.checkpoint import Checkpointer
 from kubejax.trainer.config import ConfigError, TrainConfig
-from kubejax.trainer.model import BertClassifier
+from kubejax.trainer.model import BertClassifier, BertConfig
 from kubejax.trainer.outputs import METRICS_FILE, MODEL_DIR, UNDELIVERED_FILE
 from kubejax.trainer.steps import make_eval_step, make_train_step
 
@@ -71,11 +71,13 @@ def build_model(cfg: TrainConfig, data: TrainData) -> tuple[BertClassifier, Path
 
 def _build_model(cfg: TrainConfig, num_labels: int):
     from safetensors import SafetensorError
-    from transformers import BertConfig
 
     dtype = jnp.bfloat16 if cfg.dtype == "bfloat16" else jnp.float32
     if cfg.model == "scratch":
-        model_cfg = BertConfig(**json.loads(cfg.scratch_config or "{}"))
+        try:
+            model_cfg = BertConfig.from_dict(json.loads(cfg.scratch_config or "{}"), strict=True)
+        except ValueError as err:
+            raise ConfigError(f"scratch_config: {err}") from err
         model_dir, tensors = None, None
     else:
         try:
@@ -564,15 +566,14 @@ def train_and_evaluate(cfg: TrainConfig) -> dict:
     opt_state = jax.jit(tx.init, out_shardings=distributed.replicated(mesh))(params)
     ckpt = Checkpointer(out, cfg.keep_checkpoints)
     params, opt_state, start_step, history = restore_latest(ckpt, cfg, params, opt_state)
-    resumed = start_step > 0
 
-    tracker = start_tracker(cfg, data, resumed=resumed)
+    tracker = start_tracker(cfg, data, resumed=start_step > 0)
     system_monitor = tracker.start_system_metrics("worker-0")  # None on processes 1+
     progress = Progress(cfg, out, tracker, total, host_lr, history, sampler)
     progress.say(
         f"kubejax trainer: {jax.process_count()} process(es), {jax.device_count()} "
         f"{jax.devices()[0].platform} device(s); {len(data.train)} train rows, {total} steps"
-        + (f"; resumed at step {start_step}" if resumed else "")
+        + (f"; resumed at step {start_step}" if start_step else "")
         + (f"; freshly initialised: {', '.join(fresh)}" if fresh else "")
     )
     train_step = make_train_step(graphdef, tx, mesh, cfg.seed)
@@ -605,17 +606,18 @@ def train_and_evaluate(cfg: TrainConfig) -> dict:
                 save(done)
         progress.flush()
 
-        # The end: a last evaluation and checkpoint (unless the loop just made them), the model.
+        # The end: a last evaluation, checkpoint and model (unless made already or not wanted).
         final_step = max(start_step, min(step + 1, total)) if total else 0
         final_eval = progress.last_eval(final_step) or progress.evaluated(
             final_step, evaluate_split(eval_step, params, data.val, cfg, mesh)
         )
-        if ckpt.latest_step() != final_step:
+        if cfg.save_final and ckpt.latest_step() != final_step:
             save(final_step)
         ckpt.wait()
         final = progress.final(final_step, final_eval, time.monotonic() - t_start)
         if jax.process_index() == 0:
-            export_model(cfg, graphdef, params, data, tokenizer_dir)
+            if cfg.save_final:
+                export_model(cfg, graphdef, params, data, tokenizer_dir)
             progress.log_final(final)
         progress.write("completed", final_step, final)
         status = "FINISHED"
@@ -633,6 +635,10 @@ def main(argv: list[str] | None = None) -> int:
     from kubejax.trainer.config import from_args
 
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
+    # Keep every compiled program in the persistent cache (when one is set), not only those
+    # over 1 s: the dozen small ones (optimizer init, key folding) cost each sweep trial 1 s.
+    if "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS" not in os.environ:
+        jax.config.update("jax_persistent_cache_min_compile_time_secs", 0)
     try:
         cfg = from_args(argv)
         train_and_evaluate(cfg)

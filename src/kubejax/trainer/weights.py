@@ -15,9 +15,8 @@ from pathlib import Path
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
-from transformers import BertConfig
 
-from kubejax.trainer.model import BertClassifier
+from kubejax.trainer.model import BertClassifier, BertConfig
 
 SAFETENSORS = "model.safetensors"
 PYTORCH_BIN = "pytorch_model.bin"
@@ -60,12 +59,7 @@ def load_config(model_dir: Path) -> BertConfig:
     config_file = model_dir / "config.json"
     if not config_file.is_file():
         raise FileNotFoundError(f"model: {model_dir} has no config.json")
-    from huggingface_hub.errors import StrictDataclassError
-
-    try:
-        cfg = BertConfig.from_pretrained(str(model_dir))
-    except (StrictDataclassError, TypeError) as err:  # a field of the wrong type
-        raise ValueError(f"{config_file}: {err}") from err
+    cfg = BertConfig.from_file(config_file)
     if cfg.model_type != "bert":
         raise ValueError(f"model: model_type {cfg.model_type!r} is not supported (bert)")
     return cfg
@@ -181,11 +175,14 @@ def save_model_dir(
     from safetensors.numpy import save_file
 
     out_dir.mkdir(parents=True, exist_ok=True)
-    cfg = BertConfig.from_dict(model.config.to_dict())
-    cfg.architectures = ["BertForSequenceClassification"]
-    cfg.id2label = dict(enumerate(label_names))
-    cfg.label2id = {name: i for i, name in enumerate(label_names)}
-    cfg.save_pretrained(str(out_dir))
+    config = {
+        **model.config.to_dict(),
+        "architectures": ["BertForSequenceClassification"],
+        "id2label": {str(i): name for i, name in enumerate(label_names)},
+        "label2id": {name: i for i, name in enumerate(label_names)},
+    }
+    config.pop("num_labels", None)  # id2label says it
+    (out_dir / "config.json").write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
     save_file(export_tensors(model), str(out_dir / SAFETENSORS), metadata={"format": "pt"})
     if tokenizer_dir is not None:
         for name in TOKENIZER_FILES:
@@ -216,10 +213,7 @@ def load_model_dir(model_dir: Path, dtype=jnp.float32) -> tuple[BertClassifier, 
     """Load a model folder written by `save_model_dir` (or any BERT classification checkpoint)."""
     cfg = load_config(model_dir)
     labels_file = model_dir / LABELS_FILE
-    if labels_file.is_file():
-        labels = json.loads(labels_file.read_text())
-    else:
-        labels = [cfg.id2label[i] for i in range(cfg.num_labels)]
+    labels = json.loads(labels_file.read_text()) if labels_file.is_file() else cfg.label_names()
     model, fresh = from_pretrained(cfg, len(labels), read_tensors(model_dir), dtype)
     if fresh:
         raise ValueError(f"model: {model_dir} is not a trained classifier (missing {fresh})")

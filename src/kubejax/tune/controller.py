@@ -186,7 +186,7 @@ class Controller:
                 if len(self.failures) > self.cfg.max_failed_trials:
                     self.stop()
                 if self.active:
-                    time.sleep(self.cfg.poll_seconds)
+                    time.sleep(self.client.poll_interval(self.cfg.poll_seconds))
         return self.result()
 
     def reattach(self) -> None:
