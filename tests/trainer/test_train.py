@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import json
+import os
 import subprocess
+import sys
 import time
 from pathlib import Path
 
@@ -264,6 +266,58 @@ def test_without_save_final_a_run_keeps_no_final_checkpoint_and_no_model(
     assert metrics["status"] == "completed" and metrics["final"]["steps"] == 3
     assert sorted(p.name for p in (out / "checkpoints").iterdir()) == ["2"]  # not 3
     assert not (out / "model").exists()
+
+
+_TWO_DEVICE_STEP = """
+import json, re, numpy as np, jax
+from flax import nnx
+from jax.sharding import Mesh
+from kubejax.trainer import distributed, train
+from kubejax.trainer.config import TrainConfig
+from kubejax.trainer.model import BertClassifier, BertConfig
+from kubejax.trainer.steps import make_train_step
+cfg = BertConfig(hidden_size=32, num_hidden_layers=2, num_attention_heads=2, intermediate_size=64,
+                 vocab_size=100, hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0)
+rng = np.random.default_rng(0)
+local = {"input_ids": rng.integers(1, 100, (1, 8, 16)).astype(np.int32),
+         "attention_mask": np.ones((1, 8, 16), np.int32),
+         "labels": rng.integers(0, 5, (1, 8)).astype(np.int32)}
+out = {}
+for n in (1, 2):
+    mesh = Mesh(np.array(jax.devices()[:n]), ("data",))
+    tx = train.make_optimizer(TrainConfig(model="scratch", data_dir="d", output_dir="o"))
+    graphdef, params = nnx.split(BertClassifier(cfg, 5, rngs=nnx.Rngs(0)))
+    params = distributed.replicate(params, mesh)
+    opt_state = tx.init(params)
+    step = make_train_step(graphdef, tx, mesh, 0)
+    batch = distributed.global_batch(local, mesh, leading=1)
+    hlo = step.lower(params, opt_state, batch, 0, np.float32(1e-3)).compile().as_text()
+    params, _, metrics = step(params, opt_state, batch, 0, np.float32(1e-3))
+    sums = [float(x.sum()) for x in jax.tree.leaves(params)]
+    # Arrays summed across devices: the result types of every all-reduce.
+    types = [l.split("=", 1)[1].split(" all-reduce(")[0] for l in hlo.splitlines()
+             if " all-reduce(" in l]
+    arrays = sum(len(re.findall(r"[a-z0-9]+\\[[0-9,]*\\]", t)) for t in types)
+    out[n] = {"reduced_arrays": arrays, "grad_norm": float(metrics["grad_norm"]), "params": sums}
+print(json.dumps(out))
+"""
+
+
+def test_data_parallel_gradients_are_averaged_as_one_buffer():
+    # Two devices in one process stand for two workers. Left to the partitioner, the gradients
+    # went into one all-reduce of every tensor (105 for MiniLM): over gloo, 0.52 s a step
+    # against 0.17 s for the same bytes as one buffer.
+    env = {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=2"}
+    run = subprocess.run(
+        [sys.executable, "-c", _TWO_DEVICE_STEP], env=env, capture_output=True, text=True
+    )
+    assert run.returncode == 0, run.stderr[-2000:]
+    out = json.loads(run.stdout.splitlines()[-1])
+    assert out["1"]["reduced_arrays"] == 0
+    # The gradients' one buffer, loss, accuracy and the token count (not 40 gradient tensors).
+    assert 1 <= out["2"]["reduced_arrays"] <= 4
+    assert out["2"]["grad_norm"] == pytest.approx(out["1"]["grad_norm"], rel=1e-4)
+    assert out["2"]["params"] == pytest.approx(out["1"]["params"], rel=1e-4, abs=1e-4)
 
 
 def test_resume_refuses_a_checkpoint_of_another_optimizer(
