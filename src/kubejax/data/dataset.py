@@ -191,15 +191,12 @@ def eval_batches(
     order = np.argsort(split.lengths[:n], kind="stable")
     for start in range(0, n, batch_size):
         rows = order[start : start + batch_size]
-        size = batch_size
-        if len(rows) < batch_size:
-            per_process = 1 << (math.ceil(len(rows) / process_count) - 1).bit_length()
-            size = min(batch_size, per_process * process_count)
+        per_process = 1 << (math.ceil(len(rows) / process_count) - 1).bit_length()
+        size = min(batch_size, per_process * process_count)
         local = size // process_count
         weights = np.ones(size, dtype=np.float32)
-        if len(rows) < size:
-            weights[len(rows) :] = 0.0
-            rows = np.concatenate([rows, np.full(size - len(rows), rows[0])])
+        weights[len(rows) :] = 0.0
+        rows = np.concatenate([rows, np.full(size - len(rows), rows[0])])
         length = bucket_length(int(split.lengths[rows].max()), bucket_multiple, max_length)
         mine = slice(process_index * local, (process_index + 1) * local)
         batch = gather(split, rows[mine], length)

@@ -53,8 +53,12 @@ def trainer_trial_spec(
         settings = {k: v for k, v in params.items() if k not in RESOURCE_PARAMS}
         # A trial is never restarted (backoff 0) and the pipeline retrains the best settings,
         # so by default it writes neither a final checkpoint nor a model (about 2 s a trial).
-        hp = {"save_final": False, **hyperparameters, **settings}
-        hp["mlflow_run_name"] = f"trial-{number}"
+        hp = {
+            "save_final": False,
+            **hyperparameters,
+            **settings,
+            "mlflow_run_name": f"trial-{number}",
+        }
         if parent_run_id:
             hp["mlflow_parent_run_id"] = parent_run_id
         hp = with_mlflow_tags(hp, {"kubejax.trial": str(number), "kubejax.jaxjob": name})
