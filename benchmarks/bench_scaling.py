@@ -13,13 +13,13 @@ time and the fixed cost of a sweep trial.
 - `sweep_trial_overhead_s`: the wall time of a 1-step trial run as a local JAXJob with a warm
   cache (process start, JAX init, model load, compile, one step, evaluation, model export): the
   fixed cost every trial pays. (max_steps 0 means "from epochs", so one step is the least.)
+
+Every trainer process runs in the environment a job gives it (`common.job_env`).
 """
 
 from __future__ import annotations
 
 import json
-import os
-import subprocess
 import sys
 import tempfile
 import time
@@ -27,29 +27,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).parent))
 from bench_train import long_reviews
-from common import machine
-
-TRAINER = [sys.executable, "-m", "kubejax.trainer"]
-
-
-def _flags(**settings) -> list[str]:
-    return [a for k, v in settings.items() for a in ("--" + k.replace("_", "-"), str(v))]
-
-
-def _run(args: list[str], env: dict, prefix: list[str] = ()) -> tuple[dict, list[tuple]]:
-    """Run the trainer; its metrics.json and its stdout lines with their arrival times."""
-    proc = subprocess.Popen(
-        [*prefix, *TRAINER, *args],
-        env={**os.environ, **env},
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
-        text=True,
-    )
-    lines = [(time.monotonic(), line) for line in proc.stdout]
-    if proc.wait() != 0:
-        raise RuntimeError("".join(line for _, line in lines[-30:]))
-    out = Path(args[args.index("--output-dir") + 1])
-    return json.loads((out / "metrics.json").read_text()), lines
+from common import TRAINER, flags, job_env, machine, run_trainer, trainer_env
 
 
 def _setup(work: Path) -> tuple[str, Path, Path]:
@@ -77,10 +55,13 @@ def dp_scaling(model: str, data: Path, work: Path, steps: int, batch: int) -> di
         model=model, data_dir=data, max_steps=steps, global_batch_size=batch, max_length=128,
         log_every=1, max_eval_examples=batch, dropout=0.1,
     )  # fmt: skip
-    env = {"JAX_COMPILATION_CACHE_DIR": str(work / "cache-dp")}
-    warm = _flags(**common, output_dir=work / "dp-warm")
-    _run(warm, env, prefix=["taskset", "-c", "0"])
-    one, _ = _run(_flags(**common, output_dir=work / "dp-one"), env, prefix=["taskset", "-c", "0"])
+    extra = job_env(JAX_COMPILATION_CACHE_DIR=str(work / "cache-dp"))
+    env = trainer_env(**extra)
+    warm = flags(**common, output_dir=work / "dp-warm")
+    run_trainer(warm, env, prefix=["taskset", "-c", "0"])
+    one, _ = run_trainer(
+        flags(**common, output_dir=work / "dp-one"), env, prefix=["taskset", "-c", "0"]
+    )
     pinned = 'exec taskset -c "$PROCESS_ID" "$0" "$@"'
     client = JAXJobClient("local", log_root=work / "logs")
     for name in ("dp-two-warm", "dp-two"):
@@ -88,9 +69,9 @@ def dp_scaling(model: str, data: Path, work: Path, steps: int, batch: int) -> di
             name=name,
             image="local",
             command=["bash", "-c", pinned, *TRAINER],
-            args=_flags(**common, output_dir=work / name),
+            args=flags(**common, output_dir=work / name),
             replicas=2,
-            env=[{"name": k, "value": v} for k, v in env.items()],
+            env=[{"name": k, "value": v} for k, v in extra.items()],
         )
         run_job(client, spec, timeout=1800, log=None)
     two = json.loads((work / "dp-two" / "metrics.json").read_text())
@@ -117,13 +98,13 @@ def real_token_fraction(data: Path, batch: int, multiple: int, cap: int) -> floa
 def bucketing(model: str, data: Path, work: Path, steps: int, batch: int) -> dict:
     rates = {}
     for multiple in (32, 512):
-        env = {"JAX_COMPILATION_CACHE_DIR": str(work / f"cache-b{multiple}")}
+        env = trainer_env(JAX_COMPILATION_CACHE_DIR=str(work / f"cache-b{multiple}"))
         common = dict(
             model=model, data_dir=data, max_steps=steps, global_batch_size=batch, max_length=512,
             bucket_multiple=multiple, log_every=1, max_eval_examples=batch, dropout=0.1,
         )  # fmt: skip
-        _run(_flags(**common, output_dir=work / f"b{multiple}-warm"), env)
-        final, _ = _run(_flags(**common, output_dir=work / f"b{multiple}"), env)
+        run_trainer(flags(**common, output_dir=work / f"b{multiple}-warm"), env)
+        final, _ = run_trainer(flags(**common, output_dir=work / f"b{multiple}"), env)
         rates[multiple] = final["final"]["examples_per_s"]
     return {
         "bucketed_examples_per_s": round(rates[32], 2),
@@ -145,16 +126,17 @@ def compile_and_trial(model: str, data: Path, work: Path, batch: int) -> dict:
     from kubejax.jaxjob.launch import run_job
     from kubejax.launchers.sweep import trainer_trial_spec
 
-    env = {"JAX_COMPILATION_CACHE_DIR": str(work / "cache-compile")}
+    extra = job_env(JAX_COMPILATION_CACHE_DIR=str(work / "cache-compile"))
+    env = trainer_env(**extra)
     common = dict(
         model=model, max_steps=1, global_batch_size=batch, max_length=128, log_every=1,
         max_eval_examples=batch,
     )  # fmt: skip
-    _, cold = _run(_flags(**common, data_dir=data, output_dir=work / "compile-cold"), env)
-    _, warm = _run(_flags(**common, data_dir=data, output_dir=work / "compile-warm"), env)
+    _, cold = run_trainer(flags(**common, data_dir=data, output_dir=work / "compile-cold"), env)
+    _, warm = run_trainer(flags(**common, data_dir=data, output_dir=work / "compile-warm"), env)
     # The trial exactly as a sweep makes it (its settings, its job), on the local backend.
     make = trainer_trial_spec(
-        image="local", replicas=1, data_dir=str(data), hyperparameters=common, extra_env=env
+        image="local", replicas=1, data_dir=str(data), hyperparameters=common, extra_env=extra
     )
     client = JAXJobClient("local", log_root=work / "logs")
     t = time.monotonic()

@@ -1,10 +1,15 @@
-"""Shared bits of the benchmarks: the machine, a float32 matmul peak measured in the run."""
+"""Shared bits of the benchmarks: the machine, a float32 matmul peak measured in the run, and
+running the trainer (or one side of a comparison) as a process of its own."""
 
 from __future__ import annotations
 
+import json
 import os
 import platform
+import subprocess
+import sys
 import time
+from pathlib import Path
 
 
 def machine() -> str:
@@ -35,3 +40,49 @@ def matmul_peak_gflops(n: int = 2048, repeats: int = 10) -> float:
         f(a).block_until_ready()
         best = min(best, time.perf_counter() - t)
     return 2 * n**3 / best / 1e9
+
+
+#: The trainer as jobs run it.
+TRAINER = [sys.executable, "-m", "kubejax.trainer"]
+
+
+def job_env(**extra: str) -> dict[str, str]:
+    """What kubejax adds to the environment of its trainer processes (`worker_env` without a
+    workspace or tracking server: glibc's malloc tunable), and `extra`."""
+    from kubejax.launchers.common import worker_env
+
+    return {**worker_env("", ""), **extra}
+
+
+def trainer_env(**extra: str) -> dict[str, str]:
+    """This process's environment as a job gives it to a trainer process (`job_env`)."""
+    return {**os.environ, **job_env(**extra)}
+
+
+def flags(**settings) -> list[str]:
+    """Trainer command-line flags from settings."""
+    return [a for k, v in settings.items() for a in ("--" + k.replace("_", "-"), str(v))]
+
+
+def run_trainer(args: list[str], env: dict, prefix: list[str] = ()) -> tuple[dict, list[tuple]]:
+    """Run the trainer; its metrics.json and its stdout lines with their arrival times."""
+    proc = subprocess.Popen(
+        [*prefix, *TRAINER, *args], env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+        text=True,
+    )  # fmt: skip
+    lines = [(time.monotonic(), line) for line in proc.stdout]
+    if proc.wait() != 0:
+        raise RuntimeError("".join(line for _, line in lines[-30:]))
+    out = Path(args[args.index("--output-dir") + 1])
+    return json.loads((out / "metrics.json").read_text()), lines
+
+
+def run_json(args: list[str], env: dict | None = None) -> dict:
+    """Run `python ARGS` (one side of a comparison, in a process of its own) and return the
+    JSON object on its last line of output."""
+    proc = subprocess.run(
+        [sys.executable, *args], env=env, capture_output=True, text=True, check=False
+    )
+    if proc.returncode != 0:
+        raise RuntimeError(f"{' '.join(args)} failed:\n{proc.stderr[-3000:]}")
+    return json.loads(proc.stdout.strip().splitlines()[-1])

@@ -44,6 +44,14 @@ def test_image_installs_the_package_with_pyprojects_pins():
     assert any(d.startswith("jax[cuda12]") and d.endswith(jax.removeprefix("jax")) for d in cuda)
 
 
+def test_image_sets_the_workers_malloc_tunable():
+    from kubejax.launchers.common import MALLOC_TUNABLE
+
+    # Every process of the image (components and workers of jobs it runs) gets it, as the
+    # workers of local jobs do through worker_env.
+    assert re.search(rf"^\s+GLIBC_TUNABLES={re.escape(MALLOC_TUNABLE)} \\$", DOCKERFILE, re.M)
+
+
 def test_image_runs_as_non_root_on_a_pinned_base_and_tag_follows_the_version():
     assert re.search(r"^USER 1000$", DOCKERFILE, re.M)
     # A Python patch release on a named Debian release, not a moving tag such as 3.12-slim.

@@ -175,12 +175,30 @@ def test_job_names_are_deterministic_dns_labels():
 def test_workers_share_the_compilation_cache_through_the_workspace(monkeypatch):
     from kubejax.launchers.common import worker_env
 
-    for name in ("JAX_COMPILATION_CACHE_DIR", "MLFLOW_TRACKING_URI", "MLFLOW_EXPERIMENT_ID"):
+    for name in (
+        "JAX_COMPILATION_CACHE_DIR",
+        "MLFLOW_TRACKING_URI",
+        "MLFLOW_EXPERIMENT_ID",
+        "GLIBC_TUNABLES",
+    ):
         monkeypatch.delenv(name, raising=False)
+    malloc = {"GLIBC_TUNABLES": "glibc.malloc.hugetlb=1"}
     env = worker_env("/kfp-workspace", "")
     assert env["JAX_COMPILATION_CACHE_DIR"] == "/kfp-workspace/kubejax/jax-cache"
     assert env["JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS"] == "0"
-    assert worker_env("", "") == {}
-    assert worker_env("", "http://mlflow:5000") == {"MLFLOW_TRACKING_URI": "http://mlflow:5000"}
+    assert worker_env("", "") == malloc
+    assert worker_env("", "http://mlflow:5000") == {
+        "MLFLOW_TRACKING_URI": "http://mlflow:5000",
+        **malloc,
+    }
     monkeypatch.setenv("JAX_COMPILATION_CACHE_DIR", "/home/me/.cache/jax")
-    assert worker_env("/kfp-workspace", "") == {}  # the task's own cache is kept
+    assert worker_env("/kfp-workspace", "") == malloc  # the task's own cache is kept
+
+
+def test_workers_get_the_malloc_tunable_beside_the_users_own(monkeypatch):
+    from kubejax.launchers.common import MALLOC_TUNABLE, worker_env
+
+    monkeypatch.setenv("GLIBC_TUNABLES", "glibc.malloc.arena_max=2")
+    assert worker_env("", "")["GLIBC_TUNABLES"] == f"glibc.malloc.arena_max=2:{MALLOC_TUNABLE}"
+    monkeypatch.setenv("GLIBC_TUNABLES", "glibc.malloc.hugetlb=0")  # the user's choice stays
+    assert worker_env("", "")["GLIBC_TUNABLES"] == "glibc.malloc.hugetlb=0"

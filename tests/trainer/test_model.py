@@ -147,3 +147,38 @@ def test_checkpoint_folder_problems_are_named(tmp_path):
         weights.read_tensors(tmp_path)
     with pytest.raises(FileNotFoundError, match="not a folder"):
         weights.resolve_model_dir(str(tmp_path / "missing" / "model"))
+
+
+def test_the_cpu_evaluation_step_gives_ynnpack_matrix_products_alone(minilm_dir):
+    # XLA's default CPU fusions (softmax and LayerNorm work fused with the products into one
+    # YNNPACK call) were slower for the forward pass; the evaluation step asks for the products
+    # alone (steps.EVAL_COMPILER_OPTIONS) and computes the same logits.
+    import jax
+
+    from kubejax.trainer import distributed
+    from kubejax.trainer.steps import make_eval_step
+
+    model, _ = _ours(minilm_dir)
+    graphdef, params = nnx.split(model)
+    ids, mask = _inputs(30522)
+    batch = {
+        "input_ids": ids,
+        "attention_mask": mask,
+        "labels": np.zeros(len(ids), np.int32),
+        "weights": np.ones(len(ids), np.float32),
+    }
+    eval_step = make_eval_step(graphdef, distributed.data_mesh())
+    hlo = eval_step.lower(params, batch).compile().as_text()
+    called = re.findall(r"fusion\([^\n]*calls=%([\w.-]+)[^\n]*__ynn_fusion", hlo)
+    assert called, "no YNNPACK call in the compiled evaluation step"
+    for name in called:
+        body = hlo[hlo.index(f"\n%{name} ") : hlo.index("\n}", hlo.index(f"\n%{name} "))]
+        ops = re.findall(r"= \S+ (\w[\w-]*)\(", body)
+        assert set(ops) <= {"parameter", "dot", "bitcast"}, (name, sorted(set(ops)))
+    default = jax.jit(eval_step.__wrapped__)  # the same step under XLA's default fusions
+    assert_close_to_scale(
+        np.asarray(eval_step(params, batch)[1]),
+        np.asarray(default(params, batch)[1]),
+        1e-5,
+        "logits",
+    )

@@ -3,6 +3,7 @@ evaluation step. Training, evaluation and the served model all use these."""
 
 from __future__ import annotations
 
+import os
 from functools import partial
 
 import jax
@@ -124,11 +125,35 @@ def _gradients(graphdef, params, batch, key):
     return loss / accum, acc / accum, jax.tree.map(lambda g: g / accum, grads)
 
 
+def cache_every_program() -> None:
+    """Keep every compiled program in JAX's persistent cache (when one is set), not only those
+    that took over 1 s: the dozen small ones (optimizer init, key folding) cost each sweep
+    trial 1 s, and an evaluation step compiles in 0.6 s per length bucket. A
+    JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS the user set is kept."""
+    if "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS" not in os.environ:
+        jax.config.update("jax_persistent_cache_min_compile_time_secs", 0)
+
+
+#: XLA options of the evaluation step. On CPU, XLA hands its YNNPACK library the matrix
+#: products and also fuses elementwise and reduction work around them; for a forward pass the
+#: large fusions (softmax into the attention product, LayerNorm into the feed-forward one) ran
+#: slower than the products alone, 0.79-0.99 s against 0.66-0.73 s a MiniLM batch of 64 x 128
+#: (bench/NOTES.md). Training steps keep XLA's default, which measured faster for them.
+EVAL_COMPILER_OPTIONS = {
+    "xla_cpu_experimental_ynn_fusion_type": "LIBRARY_FUSION_TYPE_INDIVIDUAL_DOT",
+}
+
+
 def make_eval_step(graphdef, mesh):
     """Weighted loss and accuracy sums over a global batch, and the logits."""
     rep = distributed.replicated(mesh)
+    options = EVAL_COMPILER_OPTIONS if mesh.devices.flat[0].platform == "cpu" else None
 
-    @partial(jax.jit, out_shardings=(rep, distributed.batch_sharding(mesh)))
+    @partial(
+        jax.jit,
+        out_shardings=(rep, distributed.batch_sharding(mesh)),
+        compiler_options=options,
+    )
     def eval_step(params, batch):
         model = nnx.merge(graphdef, params)
         logits = model(batch["input_ids"], batch["attention_mask"], deterministic=True)

@@ -37,7 +37,7 @@ from kubejax.trainer.checkpoint import Checkpointer
 from kubejax.trainer.config import ConfigError, TrainConfig
 from kubejax.trainer.model import BertClassifier, BertConfig
 from kubejax.trainer.outputs import METRICS_FILE, MODEL_DIR, UNDELIVERED_FILE
-from kubejax.trainer.steps import make_eval_step, make_train_step
+from kubejax.trainer.steps import cache_every_program, make_eval_step, make_train_step
 
 log = logging.getLogger("kubejax.trainer")
 
@@ -635,10 +635,7 @@ def main(argv: list[str] | None = None) -> int:
     from kubejax.trainer.config import from_args
 
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
-    # Keep every compiled program in the persistent cache (when one is set), not only those
-    # over 1 s: the dozen small ones (optimizer init, key folding) cost each sweep trial 1 s.
-    if "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS" not in os.environ:
-        jax.config.update("jax_persistent_cache_min_compile_time_secs", 0)
+    cache_every_program()
     try:
         cfg = from_args(argv)
         train_and_evaluate(cfg)
