@@ -58,10 +58,9 @@ def dp_scaling(model: str, data: Path, work: Path, steps: int, batch: int) -> di
     extra = job_env(JAX_COMPILATION_CACHE_DIR=str(work / "cache-dp"))
     env = trainer_env(**extra)
     warm = flags(**common, output_dir=work / "dp-warm")
-    run_trainer(warm, env, prefix=["taskset", "-c", "0"])
-    one, _ = run_trainer(
-        flags(**common, output_dir=work / "dp-one"), env, prefix=["taskset", "-c", "0"]
-    )
+    core0 = ["taskset", "-c", "0"]
+    run_trainer(warm, env, prefix=core0)
+    one, _ = run_trainer(flags(**common, output_dir=work / "dp-one"), env, prefix=core0)
     pinned = 'exec taskset -c "$PROCESS_ID" "$0" "$@"'
     client = JAXJobClient("local", log_root=work / "logs")
     for name in ("dp-two-warm", "dp-two"):

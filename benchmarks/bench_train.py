@@ -99,9 +99,7 @@ def measure(steps: int = 12, batch: int = 32, rounds: int = 3) -> dict:
         flags(**settings, log_every=1, mlflow_tracking_uri=uri, output_dir=work / "mlflow"), env
     )
 
-    def median(values) -> float:
-        return statistics.median(list(values))
-
+    median = statistics.median
     return {
         "matmul_peak_gflops": round(median(p for p, _, _ in rows), 1),
         "train_examples_per_s": round(median(o for _, o, _ in rows), 2),
