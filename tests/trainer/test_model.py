@@ -15,7 +15,7 @@ from transformers import BertConfig, BertForSequenceClassification, BertModel
 
 from kubejax.trainer import weights
 from kubejax.trainer.model import BertClassifier
-from tests.helpers import assert_close_to_scale
+from tests.helpers import ZERO_GRADIENT_BY_SYMMETRY, assert_close_to_scale
 
 torch.manual_seed(0)
 
@@ -73,6 +73,44 @@ def test_random_small_config_matches_transformers(tmp_path):
     assert_close_to_scale(hidden, out.hidden_states[-1].numpy(), 1e-4, "hidden states")
     logits = np.asarray(model(ids, mask))
     assert_close_to_scale(logits, out.logits.numpy(), 1e-4, "logits")
+
+
+def test_gradients_match_transformers_backward(tmp_path):
+    # Every parameter's gradient of the classification loss, ours (with the dense layers' own
+    # backward, model.dense) against torch autograd through transformers' model.
+    import jax
+
+    from kubejax.trainer.steps import loss_fn
+
+    cfg = BertConfig(
+        hidden_size=48,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        intermediate_size=96,
+        vocab_size=500,
+        max_position_embeddings=64,
+        hidden_dropout_prob=0.0,
+        attention_probs_dropout_prob=0.0,
+    )
+    ref = BertForSequenceClassification(cfg)
+    ref.save_pretrained(str(tmp_path))
+    model, _ = _ours(tmp_path, num_labels=2)
+    ids, mask = _inputs(500, length=30)
+    labels = np.array([0, 1, 1], np.int32)
+    out = ref(input_ids=torch.tensor(ids), attention_mask=torch.tensor(mask))
+    torch.nn.functional.cross_entropy(out.logits, torch.tensor(labels).long()).backward()
+    expected = {name: p.grad.numpy() for name, p in ref.named_parameters()}
+
+    graphdef, params = nnx.split(model, nnx.Param)
+    batch = {"input_ids": ids, "attention_mask": mask, "labels": labels}
+    grads = jax.grad(lambda p: loss_fn(graphdef, p, batch, None, deterministic=True)[0])(params)
+    ours = weights.export_tensors(nnx.merge(graphdef, grads))
+    assert ours.keys() <= expected.keys() and len(ours) > 30
+    for name, grad in ours.items():
+        if name.endswith(ZERO_GRADIENT_BY_SYMMETRY):  # rounding noise on both sides
+            assert np.abs(grad).max() < 1e-9 and np.abs(expected[name]).max() < 1e-9, name
+            continue
+        assert_close_to_scale(grad, expected[name], 1e-4, name)
 
 
 def test_cls_only_last_layer_equals_full_computation(minilm_dir):
@@ -182,3 +220,36 @@ def test_the_cpu_evaluation_step_gives_ynnpack_matrix_products_alone(minilm_dir)
         1e-5,
         "logits",
     )
+
+
+def test_the_cpu_train_step_gives_ynnpack_every_weight_gradient_product(minilm_dir):
+    # XLA derives a dense layer's weight gradient as a product contracting the token axis of
+    # both operands, which YNNPACK does not take; XLA's own loops ran them at a third of its
+    # speed. model.dense's backward transposes one operand first (bench/NOTES.md).
+    import optax
+
+    from kubejax.trainer import distributed
+    from kubejax.trainer.model import Dense
+    from kubejax.trainer.steps import make_train_step
+
+    model, _ = _ours(minilm_dir)
+    graphdef, params = nnx.split(model, nnx.Param)
+    tx = optax.inject_hyperparams(optax.sgd)(learning_rate=0.1)
+    mesh = distributed.data_mesh()
+    ids, mask = _inputs(30522, batch=8, length=128)
+    batch = {"input_ids": ids[None], "attention_mask": mask[None], "labels": np.zeros((1, 8))}
+    batch["labels"] = batch["labels"].astype(np.int32)
+    step = make_train_step(graphdef, tx, mesh, 0)
+    hlo = step.lower(params, tx.init(params), batch, 0, np.float32(0.1)).compile().as_text()
+    entry = hlo[hlo.index("\nENTRY") :]
+    kernels = {
+        tuple(node.kernel.shape) for _, node in nnx.iter_graph(model) if isinstance(node, Dense)
+    }
+    outside = [
+        line.strip()[:120]
+        for line in entry.splitlines()
+        if re.search(r"= f32\[(\d+),(\d+)\]\{1,0\} dot\(", line)
+        and tuple(map(int, re.search(r"f32\[(\d+),(\d+)\]", line).groups())) in kernels
+    ]
+    assert not outside, outside
+    assert len(re.findall(r"__ynn_fusion", hlo)) > 20

@@ -95,15 +95,56 @@ class BertConfig:
         return [f"LABEL_{i}" for i in range(int(self.extra.get("num_labels", 2)))]
 
 
-def _dense(n_in: int, n_out: int, cfg: BertConfig, dtype, rngs: nnx.Rngs) -> nnx.Linear:
-    return nnx.Linear(
-        n_in,
-        n_out,
-        kernel_init=nnx.initializers.normal(cfg.initializer_range),
-        dtype=dtype,
-        param_dtype=jnp.float32,
-        rngs=rngs,
-    )
+@jax.custom_vjp
+def dense(x: jax.Array, kernel: jax.Array, bias: jax.Array) -> jax.Array:
+    """`x @ kernel + bias` over x's last axis, in x's dtype.
+
+    On CPU its backward takes the weight gradient from a transposed copy of the narrower of
+    the input and the output gradient. XLA's own derivative is a product contracting the token
+    axis of both operands, which YNNPACK (XLA's CPU matrix library) does not take: XLA's loops
+    ran those at 75-110 GFLOP/s against YNNPACK's 300-400, or XLA transposed the 1536-wide
+    activation first (bench/NOTES.md). Other backends' libraries take transposed operands.
+    """
+    return x @ kernel.astype(x.dtype) + bias.astype(x.dtype)
+
+
+def _dense_fwd(x, kernel, bias):
+    return dense(x, kernel, bias), (x, kernel, bias)
+
+
+def _dense_bwd(residuals, g):
+    x, kernel, bias = residuals
+    rows = g.reshape(-1, g.shape[-1])
+    inputs = x.reshape(-1, x.shape[-1])
+    # Barriers keep each transpose a copy: XLA folds a bare one back into the product.
+    barrier = jax.lax.optimization_barrier
+    if jax.default_backend() != "cpu":
+        grad_kernel = inputs.T @ rows
+    elif inputs.shape[1] <= rows.shape[1]:
+        grad_kernel = barrier(inputs.T) @ rows
+    else:
+        grad_kernel = barrier(barrier(rows.T) @ inputs).T
+    grad_x = g @ kernel.T.astype(g.dtype)
+    return grad_x, grad_kernel.astype(kernel.dtype), rows.sum(0).astype(bias.dtype)
+
+
+dense.defvjp(_dense_fwd, _dense_bwd)
+
+
+class Dense(nnx.Module):
+    """A dense layer through `dense`, its `kernel` [in, out] and `bias` named as nnx.Linear's."""
+
+    def __init__(self, n_in: int, n_out: int, init, dtype, rngs: nnx.Rngs):
+        self.kernel = nnx.Param(init(rngs.params(), (n_in, n_out), jnp.float32))
+        self.bias = nnx.Param(jnp.zeros((n_out,), jnp.float32))
+        self.dtype = dtype
+
+    def __call__(self, x: jax.Array) -> jax.Array:
+        return dense(x.astype(self.dtype), self.kernel[...], self.bias[...])
+
+
+def _dense(n_in: int, n_out: int, cfg: BertConfig, dtype, rngs: nnx.Rngs) -> Dense:
+    return Dense(n_in, n_out, nnx.initializers.normal(cfg.initializer_range), dtype, rngs)
 
 
 def _norm(cfg: BertConfig, dtype, rngs: nnx.Rngs) -> nnx.LayerNorm:
