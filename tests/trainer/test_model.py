@@ -49,15 +49,17 @@ def test_minilm_last_hidden_state_matches_transformers(minilm_dir):
     assert_close_to_scale(ours, expected.last_hidden_state.numpy(), 2e-5, "last hidden state")
 
 
+def _small_config(**overrides) -> BertConfig:
+    """A random-size transformers BERT config small enough to run in a second."""
+    sizes = dict(
+        hidden_size=48, num_hidden_layers=3, num_attention_heads=4, intermediate_size=96,
+        vocab_size=500, max_position_embeddings=64,
+    )  # fmt: skip
+    return BertConfig(**{**sizes, **overrides})
+
+
 def test_random_small_config_matches_transformers(tmp_path):
-    cfg = BertConfig(
-        hidden_size=48,
-        num_hidden_layers=3,
-        num_attention_heads=4,
-        intermediate_size=96,
-        vocab_size=500,
-        max_position_embeddings=64,
-    )
+    cfg = _small_config()
     ref = BertForSequenceClassification(cfg).eval()  # random init, num_labels 2
     ref.save_pretrained(str(tmp_path))
     model, fresh = _ours(tmp_path, num_labels=2)
@@ -82,15 +84,8 @@ def test_gradients_match_transformers_backward(tmp_path):
 
     from kubejax.trainer.steps import loss_fn
 
-    cfg = BertConfig(
-        hidden_size=48,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        intermediate_size=96,
-        vocab_size=500,
-        max_position_embeddings=64,
-        hidden_dropout_prob=0.0,
-        attention_probs_dropout_prob=0.0,
+    cfg = _small_config(
+        num_hidden_layers=2, hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0
     )
     ref = BertForSequenceClassification(cfg)
     ref.save_pretrained(str(tmp_path))
