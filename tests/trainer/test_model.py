@@ -232,8 +232,8 @@ def test_the_cpu_train_step_gives_ynnpack_every_weight_gradient_product(minilm_d
     tx = optax.inject_hyperparams(optax.sgd)(learning_rate=0.1)
     mesh = distributed.data_mesh()
     ids, mask = _inputs(30522, batch=8, length=128)
-    batch = {"input_ids": ids[None], "attention_mask": mask[None], "labels": np.zeros((1, 8))}
-    batch["labels"] = batch["labels"].astype(np.int32)
+    labels = np.zeros((1, 8), np.int32)
+    batch = {"input_ids": ids[None], "attention_mask": mask[None], "labels": labels}
     step = make_train_step(graphdef, tx, mesh, 0)
     hlo = step.lower(params, tx.init(params), batch, 0, np.float32(0.1)).compile().as_text()
     entry = hlo[hlo.index("\nENTRY") :]
