@@ -232,20 +232,24 @@ class Layer(nnx.Module):
         Keys and values still cover every position, so the outputs for those positions are
         exactly the full layer's.
         """
-        b, length, h = x.shape
+        b, _, h = x.shape
         heads, head_dim = self.num_heads, h // self.num_heads
         q_in = x if queries is None else x[:, :queries]
         q, k, v = self.query(q_in), self.key(x), self.value(x)
         # Queries scaled before the product: on scores four times their size, XLA's CPU
         # fusion materialized the scale as a full [batch, heads, q, k] constant.
-        q = (q * (1.0 / math.sqrt(head_dim))).reshape(b, q_in.shape[1], heads, head_dim)
-        k = k.reshape(b, length, heads, head_dim)
-        v = v.reshape(b, length, heads, head_dim)
-        scores = jnp.einsum("bqhd,bkhd->bhqk", q, k)
+        q = q * (1.0 / math.sqrt(head_dim))
+        # Head-major [batch, heads, tokens, head_dim] before the products: from the token-major
+        # layout XLA's CPU backend computed the probability-value product transposed, more
+        # slowly, and copied it back (bench/NOTES.md, attempt 16).
+        q, k, v = (
+            t.reshape(b, t.shape[1], heads, head_dim).transpose(0, 2, 1, 3) for t in (q, k, v)
+        )
+        scores = q @ k.swapaxes(-1, -2)
         # Softmax in float32 keeps bfloat16 runs stable.
         probs = jax.nn.softmax(scores.astype(jnp.float32) + bias, axis=-1).astype(v.dtype)
         probs = self.attn_dropout(probs, deterministic=deterministic, rngs=rngs)
-        ctx = jnp.einsum("bhqk,bkhd->bqhd", probs, v).reshape(b, q_in.shape[1], h)
+        ctx = (probs @ v).transpose(0, 2, 1, 3).reshape(b, q_in.shape[1], h)
         attn = self.dropout(self.attn_out(ctx), deterministic=deterministic, rngs=rngs)
         x = self.attn_norm(q_in + attn)
         ff = self.output(self.act(self.intermediate(x)))
