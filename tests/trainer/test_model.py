@@ -218,9 +218,10 @@ def test_the_cpu_evaluation_step_gives_ynnpack_matrix_products_alone(minilm_dir)
 
 
 def test_the_cpu_train_step_gives_ynnpack_every_weight_gradient_product(minilm_dir):
-    # XLA derives a dense layer's weight gradient as a product contracting the token axis of
-    # both operands, which YNNPACK does not take; XLA's own loops ran them at a third of its
-    # speed. model.dense's backward transposes one operand first (bench/NOTES.md).
+    # XLA derives a dense layer's weight gradient (and the attention's key and value gradients)
+    # as a product contracting the token axis of both operands, which YNNPACK does not take;
+    # XLA's own loops ran them at a third of its speed. model.dense's and model.matmul's
+    # backward transposes one operand first (bench/NOTES.md).
     import optax
 
     from kubejax.trainer import distributed
@@ -245,6 +246,12 @@ def test_the_cpu_train_step_gives_ynnpack_every_weight_gradient_product(minilm_d
         for line in entry.splitlines()
         if re.search(r"= f32\[(\d+),(\d+)\]\{1,0\} dot\(", line)
         and tuple(map(int, re.search(r"f32\[(\d+),(\d+)\]", line).groups())) in kernels
+    ]
+    # The attention's batched products ([batch, heads, tokens, tokens or head_dim]).
+    outside += [
+        line.strip()[:120]
+        for line in entry.splitlines()
+        if re.search(r"= f32\[\d+,\d+,\d+,\d+\]\{[\d,]+\} dot\(", line)
     ]
     assert not outside, outside
     assert len(re.findall(r"__ynn_fusion", hlo)) > 20

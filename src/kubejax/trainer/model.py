@@ -11,6 +11,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import math
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -95,16 +96,51 @@ class BertConfig:
         return [f"LABEL_{i}" for i in range(int(self.extra.get("num_labels", 2)))]
 
 
+def _transposed_product(a: jax.Array, g: jax.Array) -> jax.Array:
+    """`aᵀ·g` over the last two axes (a [..., m, k], g [..., m, n] → [..., k, n]), the weight
+    gradient of a product.
+
+    XLA derives it as a product contracting the second-to-last axis of both operands, which
+    YNNPACK (XLA's CPU matrix library) does not take: XLA's own loops ran those at 75-110
+    GFLOP/s against YNNPACK's 300-400, or XLA transposed the wider operand first (bench/NOTES.md,
+    attempts 12 and 17). On CPU this transposes the narrower of the two into a copy instead;
+    other backends' libraries take transposed operands.
+    """
+    t = partial(jnp.swapaxes, axis1=-1, axis2=-2)
+    # Barriers keep each transpose a copy: XLA folds a bare one back into the product.
+    barrier = jax.lax.optimization_barrier
+    if jax.default_backend() != "cpu":
+        return t(a) @ g
+    if a.shape[-1] <= g.shape[-1]:
+        return barrier(t(a)) @ g
+    return t(barrier(barrier(t(g)) @ a))
+
+
+@jax.custom_vjp
+def matmul(a: jax.Array, b: jax.Array) -> jax.Array:
+    """`a @ b` over the last two axes (batch axes equal), its `b` gradient through
+    `_transposed_product`: the attention's products, whose key and value gradients XLA would
+    otherwise compute in its own loops on CPU."""
+    return a @ b
+
+
+def _matmul_fwd(a, b):
+    return a @ b, (a, b)
+
+
+def _matmul_bwd(residuals, g):
+    a, b = residuals
+    grad_a = g @ jnp.swapaxes(b, -1, -2).astype(g.dtype)
+    return grad_a.astype(a.dtype), _transposed_product(a, g).astype(b.dtype)
+
+
+matmul.defvjp(_matmul_fwd, _matmul_bwd)
+
+
 @jax.custom_vjp
 def dense(x: jax.Array, kernel: jax.Array, bias: jax.Array) -> jax.Array:
-    """`x @ kernel + bias` over x's last axis, in x's dtype.
-
-    On CPU its backward takes the weight gradient from a transposed copy of the narrower of
-    the input and the output gradient. XLA's own derivative is a product contracting the token
-    axis of both operands, which YNNPACK (XLA's CPU matrix library) does not take: XLA's loops
-    ran those at 75-110 GFLOP/s against YNNPACK's 300-400, or XLA transposed the 1536-wide
-    activation first (bench/NOTES.md). Other backends' libraries take transposed operands.
-    """
+    """`x @ kernel + bias` over x's last axis, in x's dtype; the kernel's gradient through
+    `_transposed_product` over every token."""
     return x @ kernel.astype(x.dtype) + bias.astype(x.dtype)
 
 
@@ -115,15 +151,7 @@ def _dense_fwd(x, kernel, bias):
 def _dense_bwd(residuals, g):
     x, kernel, bias = residuals
     rows = g.reshape(-1, g.shape[-1])
-    inputs = x.reshape(-1, x.shape[-1])
-    # Barriers keep each transpose a copy: XLA folds a bare one back into the product.
-    barrier = jax.lax.optimization_barrier
-    if jax.default_backend() != "cpu":
-        grad_kernel = inputs.T @ rows
-    elif inputs.shape[1] <= rows.shape[1]:
-        grad_kernel = barrier(inputs.T) @ rows
-    else:
-        grad_kernel = barrier(barrier(rows.T) @ inputs).T
+    grad_kernel = _transposed_product(x.reshape(-1, x.shape[-1]), rows)
     grad_x = g @ kernel.T.astype(g.dtype)
     return grad_x, grad_kernel.astype(kernel.dtype), rows.sum(0).astype(bias.dtype)
 
@@ -245,11 +273,11 @@ class Layer(nnx.Module):
         q, k, v = (
             t.reshape(b, t.shape[1], heads, head_dim).transpose(0, 2, 1, 3) for t in (q, k, v)
         )
-        scores = q @ k.swapaxes(-1, -2)
+        scores = matmul(q, k.swapaxes(-1, -2))
         # Softmax in float32 keeps bfloat16 runs stable.
         probs = jax.nn.softmax(scores.astype(jnp.float32) + bias, axis=-1).astype(v.dtype)
         probs = self.attn_dropout(probs, deterministic=deterministic, rngs=rngs)
-        ctx = (probs @ v).transpose(0, 2, 1, 3).reshape(b, q_in.shape[1], h)
+        ctx = matmul(probs, v).transpose(0, 2, 1, 3).reshape(b, q_in.shape[1], h)
         attn = self.dropout(self.attn_out(ctx), deterministic=deterministic, rngs=rngs)
         x = self.attn_norm(q_in + attn)
         ff = self.output(self.act(self.intermediate(x)))
