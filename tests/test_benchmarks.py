@@ -1,0 +1,55 @@
+"""The GPU benchmark (bench/gpu.sh, benchmarks/bench_gpu.py), checked on this CPU: its smoke run
+measures both sides with a tiny model, and without a GPU it stops with a clear error and writes
+nothing. (`make bench`'s CPU benchmarks are measurement, not tests.)"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).parents[1]
+BENCH_GPU = ROOT / "benchmarks" / "bench_gpu.py"
+
+
+def test_the_gpu_benchmark_smoke_run_measures_both_sides_on_cpu(tmp_path):
+    run = subprocess.run(
+        [sys.executable, str(BENCH_GPU), "--smoke", "--steps", "2", "--out", str(tmp_path)],
+        capture_output=True, text=True, timeout=600,
+    )  # fmt: skip
+    assert run.returncode == 0, run.stderr[-3000:]
+    result = json.loads((tmp_path / "gpu-results.json").read_text())
+    assert result["model"] == "tiny (smoke)"
+    assert result["bf16_peak_tflops_xla"] > 0 and result["bf16_peak_tflops_torch"] > 0
+    for key, batch in (("seq128", 4), ("seq512", 2)):
+        row = result[key]
+        assert row["batch"] == batch
+        assert row["examples_per_s"] > 0 and row["peer_examples_per_s"] > 0
+        assert row["vs_torch"] == round(row["examples_per_s"] / row["peer_examples_per_s"], 3)
+        assert 0 < row["mfu"] < 1 and 0 < row["peer_mfu"] < 1
+    table = (tmp_path / "gpu-results.md").read_text()
+    assert "| 128 | 4 |" in table and "| 512 | 2 |" in table
+
+
+def test_the_gpu_benchmark_without_a_gpu_says_so_and_writes_nothing(tmp_path):
+    run = subprocess.run(
+        [sys.executable, str(BENCH_GPU), "--out", str(tmp_path)],
+        capture_output=True, text=True, timeout=300,
+        env={**os.environ, "JAX_PLATFORMS": "cpu"},
+    )  # fmt: skip
+    assert run.returncode != 0
+    assert "needs an NVIDIA GPU, and JAX found cpu only" in run.stderr
+    assert not list(tmp_path.iterdir())
+
+
+def test_gpu_sh_without_nvidia_smi_says_so(tmp_path):
+    # A PATH holding bash alone: no nvidia-smi, whatever this machine has.
+    (tmp_path / "bash").symlink_to("/bin/bash")
+    run = subprocess.run(
+        ["/bin/bash", str(ROOT / "bench" / "gpu.sh")],
+        capture_output=True, text=True, timeout=60, env={"PATH": str(tmp_path)},
+    )  # fmt: skip
+    assert run.returncode == 2
+    assert "needs an NVIDIA GPU" in run.stderr
