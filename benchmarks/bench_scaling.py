@@ -6,8 +6,10 @@ time and the fixed cost of a sweep trial.
 - `dp_scaling_efficiency`: 2 processes × 1 core (each pinned with taskset, gloo all-reduce,
   a local JAXJob) over twice 1 process × 1 core, same global batch, MiniLM at length 128.
 - `bucketing_speedup`, `real_token_fraction`: length-bucketed training (multiples of 32) against
-  padding every batch to 512, on generated reviews with Yelp's length distribution; each run
-  after a warm-up run that fills the compilation cache with its shapes.
+  padding every batch to 512, on generated reviews with Yelp's length distribution, in steady
+  state: the trainer's step timed at each padded length, weighted by the epoch's use of it. (A
+  few trainer steps measured the compiling and loading of each new length more than the
+  lengths themselves: bench/NOTES.md, attempt 18.)
 - `compile_s_cold`, `compile_s_warm`: from the trainer's start line to its first step, with an
   empty and with a filled persistent compilation cache.
 - `sweep_trial_overhead_s`: the wall time of a 1-step trial run as a local JAXJob with a warm
@@ -20,6 +22,7 @@ Every trainer process runs in the environment a job gives it (`common.job_env`).
 from __future__ import annotations
 
 import json
+import statistics
 import sys
 import tempfile
 import time
@@ -27,7 +30,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).parent))
 from bench_train import long_reviews
-from common import TRAINER, flags, job_env, machine, run_trainer, trainer_env
+from common import TRAINER, flags, job_env, machine, run_json, run_trainer, trainer_env
 
 
 def _setup(work: Path) -> tuple[str, Path, Path]:
@@ -94,21 +97,69 @@ def real_token_fraction(data: Path, batch: int, multiple: int, cap: int) -> floa
     return float(lengths[plan].sum() / padded)
 
 
-def bucketing(model: str, data: Path, work: Path, steps: int, batch: int) -> dict:
-    rates = {}
-    for multiple in (32, 512):
-        env = trainer_env(JAX_COMPILATION_CACHE_DIR=str(work / f"cache-b{multiple}"))
-        common = dict(
-            model=model, data_dir=data, max_steps=steps, global_batch_size=batch, max_length=512,
-            bucket_multiple=multiple, log_every=1, max_eval_examples=batch, dropout=0.1,
-        )  # fmt: skip
-        run_trainer(flags(**common, output_dir=work / f"b{multiple}-warm"), env)
-        final, _ = run_trainer(flags(**common, output_dir=work / f"b{multiple}"), env)
-        rates[multiple] = final["final"]["examples_per_s"]
+def step_seconds_by_length(model: str, data: Path, batch: int, lengths: list[int]) -> dict:
+    """The trainer's train step (its model, optimizer and step function), timed at each padded
+    length on a real batch of the train split that pads to it: the median of 3 steps after the
+    compiling one."""
+    import jax
+    import numpy as np
+    from flax import nnx
+
+    from kubejax.data import dataset
+    from kubejax.trainer import distributed
+    from kubejax.trainer.config import TrainConfig
+    from kubejax.trainer.model import BertClassifier
+    from kubejax.trainer.steps import make_train_step
+    from kubejax.trainer.train import make_optimizer
+    from kubejax.trainer.weights import load_config, load_pretrained, read_tensors
+
+    cfg = TrainConfig(model=model, data_dir=str(data), output_dir="unused", dropout=0.1)
+    net = BertClassifier(load_config(Path(model)), 5, rngs=nnx.Rngs(0))
+    load_pretrained(net, read_tensors(Path(model)))
+    graphdef, params = nnx.split(net, nnx.Param)
+    tx = make_optimizer(cfg)
+    opt_state = tx.init(params)
+    mesh = distributed.data_mesh()
+    step = make_train_step(graphdef, tx, mesh, 0)
+    split = dataset.load_split(data, "train")
+    rows = np.argsort(split.lengths)
+    seconds = {}
+    for i, length in enumerate(lengths):
+        # The batch of the longest rows that fit this length: it pads to exactly `length`.
+        fit = rows[split.lengths[rows] <= length][-batch:]
+        local = dataset.gather(split, fit[None], length)
+        global_batch = distributed.global_batch(local, mesh, leading=1)
+        times = []
+        for _ in range(4):
+            t = time.perf_counter()
+            params, opt_state, metrics = step(params, opt_state, global_batch, i, np.float32(1e-5))
+            jax.block_until_ready(metrics)
+            times.append(time.perf_counter() - t)
+        seconds[length] = statistics.median(times[1:])
+    return seconds
+
+
+def bucketing(model: str, data: Path, batch: int) -> dict:
+    """Length-bucketed training against padding every batch to 512, in steady state: the
+    train step timed at every padded length an epoch's batches use, weighted by how many of
+    the epoch's steps use it (compiling a length is a one-time cost: `compile_s`)."""
+    import numpy as np
+
+    from kubejax.data.dataset import bucket_length, load_split, plan_epoch
+
+    lengths = np.minimum(load_split(data, "train").lengths, 512)
+    plan = plan_epoch(lengths, batch, seed=0, epoch=0)
+    padded = [bucket_length(int(lengths[r].max()), 32, 512) for r in plan]
+    counts = {n: padded.count(n) for n in sorted(set(padded) | {512})}
+    args = [__file__, "--step-seconds", model, str(data), str(batch), *map(str, counts)]
+    seconds = {int(k): v for k, v in run_json(args, trainer_env()).items()}
+    bucketed_s = sum(counts[n] * seconds[n] for n in counts)
+    padded_s = len(plan) * seconds[512]
     return {
-        "bucketed_examples_per_s": round(rates[32], 2),
-        "padded_512_examples_per_s": round(rates[512], 2),
-        "bucketing_speedup": round(rates[32] / rates[512], 3),
+        "bucketed_examples_per_s": round(len(plan) * batch / bucketed_s, 2),
+        "padded_512_examples_per_s": round(len(plan) * batch / padded_s, 2),
+        "bucketing_speedup": round(padded_s / bucketed_s, 3),
+        "bucketing_step_s_by_length": {n: round(seconds[n], 3) for n in counts},
         "real_token_fraction": round(real_token_fraction(data, batch, 32, 512), 3),
         "real_token_fraction_padded_512": round(real_token_fraction(data, batch, 512, 512), 3),
     }
@@ -152,10 +203,15 @@ def measure(steps: int = 8, batch: int = 16) -> dict:
     model, fixed, natural = _setup(work)
     return {
         **dp_scaling(model, fixed, work, steps, batch),
-        **bucketing(model, natural, work, steps, batch),
+        **bucketing(model, natural, batch),
         **compile_and_trial(model, fixed, work, batch),
     }
 
 
 if __name__ == "__main__":
-    print(json.dumps({"machine": machine(), **measure()}, indent=1))
+    if sys.argv[1:2] == ["--step-seconds"]:  # one side, in the trainer's environment
+        model, data, batch, *lengths = sys.argv[2:]
+        times = step_seconds_by_length(model, Path(data), int(batch), [int(n) for n in lengths])
+        print(json.dumps(times))
+    else:
+        print(json.dumps({"machine": machine(), **measure()}, indent=1))
