@@ -114,7 +114,11 @@ def step_seconds_by_length(model: str, data: Path, batch: int, lengths: list[int
     from kubejax.trainer.weights import load_config, load_pretrained, read_tensors
 
     cfg = TrainConfig(model=model, data_dir=str(data), output_dir="unused", dropout=0.1)
-    net = BertClassifier(load_config(Path(model)), 5, rngs=nnx.Rngs(0))
+    model_cfg = load_config(Path(model))
+    # As the trainer applies `dropout` (train.build_model).
+    model_cfg.hidden_dropout_prob = model_cfg.attention_probs_dropout_prob = cfg.dropout
+    model_cfg.classifier_dropout = cfg.dropout
+    net = BertClassifier(model_cfg, 5, rngs=nnx.Rngs(0))
     load_pretrained(net, read_tensors(Path(model)))
     graphdef, params = nnx.split(net, nnx.Param)
     tx = make_optimizer(cfg)
