@@ -43,12 +43,13 @@ def long_reviews(path: Path, n: int, min_words: int = 160) -> Path:
     from kubejax.data.synthetic import generate_reviews
 
     stars, texts = generate_reviews(n * (min_words // 40 + 2), seed=0)
-    rows, parts = [], []
+    rows, parts, words = [], [], 0
     for star, text in zip(stars, texts, strict=True):
         parts.append(text)
-        if sum(len(t.split()) for t in parts) > min_words:
+        words += len(text.split())
+        if words > min_words:
             rows.append((star, " ".join(parts)))
-            parts = []
+            parts, words = [], 0
         if len(rows) == n:
             break
     path.parent.mkdir(parents=True, exist_ok=True)
