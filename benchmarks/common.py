@@ -3,13 +3,24 @@ running the trainer (or one side of a comparison) as a process of its own."""
 
 from __future__ import annotations
 
+import atexit
 import json
 import os
 import platform
+import shutil
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
+
+
+def scratch_dir(prefix: str) -> Path:
+    """A fresh temporary folder removed when the benchmark exits, errors included: a `make bench`
+    writes several GB of datasets, checkpoints and caches that nothing reads afterwards."""
+    path = Path(tempfile.mkdtemp(prefix=prefix))
+    atexit.register(shutil.rmtree, path, ignore_errors=True)
+    return path
 
 
 def machine() -> str:

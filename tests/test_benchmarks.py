@@ -15,11 +15,16 @@ BENCH_GPU = ROOT / "benchmarks" / "bench_gpu.py"
 
 
 def test_the_gpu_benchmark_smoke_run_measures_both_sides_on_cpu(tmp_path):
+    scratch = tmp_path / "scratch"  # the benchmark's own temporary folders go here
+    scratch.mkdir()
     run = subprocess.run(
         [sys.executable, str(BENCH_GPU), "--smoke", "--steps", "2", "--out", str(tmp_path)],
-        capture_output=True, text=True, timeout=600,
+        capture_output=True, text=True, timeout=600, env={**os.environ, "TMPDIR": str(scratch)},
     )  # fmt: skip
     assert run.returncode == 0, run.stderr[-3000:]
+    # Its datasets, checkpoints and caches are gone (a full `make bench` writes several GB);
+    # torch's own cache folder may stay.
+    assert not [p.name for p in scratch.iterdir() if p.name.startswith("kubejax")]
     result = json.loads((tmp_path / "gpu-results.json").read_text())
     assert result["model"] == "tiny (smoke)"
     assert result["bf16_peak_tflops_xla"] > 0 and result["bf16_peak_tflops_torch"] > 0
