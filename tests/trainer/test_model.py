@@ -255,3 +255,43 @@ def test_the_cpu_train_step_gives_ynnpack_every_weight_gradient_product(minilm_d
     ]
     assert not outside, outside
     assert len(re.findall(r"__ynn_fusion", hlo)) > 20
+
+
+def test_dropout_bits_look_independent_and_uniform():
+    import jax
+
+    from kubejax.trainer.model import dropout_bits
+
+    bits = np.asarray(dropout_bits(jax.random.key(0), (64, 99, 101)))  # odd element count
+    assert bits.dtype == np.uint16 and bits.shape == (64, 99, 101)
+    flat = bits.reshape(-1).astype(np.int64)
+    # Uniform: each of the 256 high-byte and low-byte values about equally often (chi-square
+    # with 255 degrees of freedom; 330 is its 0.1 % tail).
+    for byte in (flat >> 8, flat & 0xFF):
+        counts = np.bincount(byte, minlength=256)
+        expected = flat.size / 256
+        assert ((counts - expected) ** 2 / expected).sum() < 330
+    # Independent: neighbours (the two halves of one hash, and consecutive hashes) and the
+    # same position under another key are uncorrelated.
+    u = flat / 65535.0 - 0.5
+    for lag in (1, 2, 101):
+        assert abs(np.corrcoef(u[:-lag], u[lag:])[0, 1]) < 0.01
+    other = np.asarray(dropout_bits(jax.random.key(1), (64, 99, 101))).reshape(-1) / 65535.0
+    assert abs(np.corrcoef(u, other)[0, 1]) < 0.01
+    # A function of the key alone.
+    assert np.array_equal(bits, np.asarray(dropout_bits(jax.random.key(0), (64, 99, 101))))
+
+
+def test_dropout_zeroes_the_rate_and_keeps_the_mean():
+    import jax.numpy as jnp
+
+    from kubejax.trainer.model import Dropout
+
+    x = jnp.ones((512, 1024))
+    y = np.asarray(Dropout(0.1)(x, deterministic=False, rngs=nnx.Rngs(dropout=3)))
+    dropped = (y == 0).mean()
+    # 524,288 draws: the standard error of the fraction is 0.0004.
+    assert abs(dropped - 0.1) < 0.002
+    assert abs(y.mean() - 1.0) < 0.003
+    assert np.allclose(y[y != 0], 1 / (1 - 6554 / 65536))
+    assert np.array_equal(np.asarray(Dropout(0.1)(x, deterministic=True, rngs=None)), x)

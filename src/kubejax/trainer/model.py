@@ -193,14 +193,32 @@ def _activation(name: str):
     raise ValueError(f"hidden_act: {name!r} is not supported (gelu, gelu_new, relu)")
 
 
-class Dropout(nnx.Module):
-    """Inverted dropout whose mask compares 16 random bits per element with the rate.
+def _mix32(x: jax.Array) -> jax.Array:
+    """C. Wellons' `lowbias32` integer hash: a bijection of uint32 in which every output bit
+    depends on every input bit."""
+    x = (x ^ (x >> 16)) * jnp.uint32(0x7FEB352D)
+    x = (x ^ (x >> 15)) * jnp.uint32(0x846CA68B)
+    return x ^ (x >> 16)
 
-    nnx.Dropout draws a float32 uniform per element; 16 bits are half the generator's work, and
-    with JAX's non-partitionable threefry (the train step's setting) a MiniLM attention mask
-    takes 6 ms to draw instead of 71 (bench/NOTES.md). The drop probability is the rate rounded
-    to a multiple of 1/65536.
+
+def dropout_bits(key: jax.Array, shape: tuple[int, ...]) -> jax.Array:
+    """16 random bits (uint16) per element of `shape`, a deterministic function of `key`.
+
+    A counter-based generator: one 32-bit seed drawn from `key`, then each element's counter
+    hashed twice around it (`mix(mix(i) ^ seed)`), two elements per 32-bit hash. About ten
+    integer operations per two elements against threefry's eighty-odd: drawing every mask of
+    a MiniLM train step through `jax.random.bits` was about 6 % of the step (bench/NOTES.md,
+    attempt 21). Dropout needs independent-looking bits, not a cryptographic stream.
     """
+    n = math.prod(shape)
+    seed = jax.random.bits(key, (), jnp.uint32)
+    words = _mix32(_mix32(jax.lax.iota(jnp.uint32, (n + 1) // 2)) ^ seed)
+    return jax.lax.bitcast_convert_type(words, jnp.uint16).reshape(-1)[:n].reshape(shape)
+
+
+class Dropout(nnx.Module):
+    """Inverted dropout whose mask compares 16 random bits per element (`dropout_bits`) with the
+    rate; the drop probability is the rate rounded to a multiple of 1/65536."""
 
     def __init__(self, rate: float):
         self.rate = float(rate)
@@ -209,7 +227,7 @@ class Dropout(nnx.Module):
         if deterministic or self.rate == 0.0:
             return x
         threshold = min(round(self.rate * 65536), 65535)
-        keep = jax.random.bits(rngs.dropout(), x.shape, jnp.uint16) >= threshold
+        keep = dropout_bits(rngs.dropout(), x.shape) >= threshold
         return jnp.where(keep, x * (65536 / (65536 - threshold)), jnp.zeros((), x.dtype))
 
 

@@ -36,14 +36,11 @@ def make_train_step(graphdef, tx, mesh, seed: int):
     @partial(jax.jit, donate_argnums=(0, 1), out_shardings=(rep, rep, rep))
     def train_step(params, opt_state, batch, step, learning_rate):
         key = jax.random.fold_in(base_key, step)
-        # Dropout masks from the non-partitionable threefry: on CPU it makes them several times
-        # faster than the partitionable one (bench/NOTES.md). They stay a deterministic function
-        # of seed, step and (data-parallel) device.
-        with jax.threefry_partitionable(False):
-            if mesh.size == 1:
-                loss, acc, grads = _gradients(graphdef, params, batch, key)
-            else:
-                loss, acc, grads = _data_parallel_gradients(graphdef, mesh, params, batch, key)
+        # Dropout masks are a deterministic function of seed, step and (data-parallel) device.
+        if mesh.size == 1:
+            loss, acc, grads = _gradients(graphdef, params, batch, key)
+        else:
+            loss, acc, grads = _data_parallel_gradients(graphdef, mesh, params, batch, key)
         hyperparams = {**opt_state.hyperparams, "learning_rate": learning_rate}
         updates, opt_state = tx.update(grads, opt_state._replace(hyperparams=hyperparams), params)
         params = optax.apply_updates(params, updates)
