@@ -204,10 +204,10 @@ def _mix32(x: jax.Array) -> jax.Array:
 def dropout_bits(key: jax.Array, shape: tuple[int, ...]) -> jax.Array:
     """16 random bits (uint16) per element of `shape`, a deterministic function of `key`.
 
-    A counter-based generator: one 32-bit seed drawn from `key`, then each element's counter
-    hashed twice around it (`mix(mix(i) ^ seed)`), two elements per 32-bit hash. About ten
-    integer operations per two elements against threefry's eighty-odd: drawing every mask of
-    a MiniLM train step through `jax.random.bits` was about 6 % of the step (bench/NOTES.md,
+    A counter-based generator: one 32-bit seed drawn from `key`, then each counter hashed twice
+    around it (`mix(mix(i) ^ seed)`), two elements per 32-bit hash (so up to 2³³ elements):
+    about 17 integer operations per 32-bit word against threefry's 60-odd. Drawing every mask
+    of a MiniLM train step through `jax.random.bits` was 3-6 % of the step (bench/NOTES.md,
     attempt 21). Dropout needs independent-looking bits, not a cryptographic stream.
     """
     n = math.prod(shape)
