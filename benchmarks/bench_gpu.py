@@ -29,6 +29,7 @@ from bench_train import long_reviews
 from common import (
     flags,
     matmul_peak_gflops,
+    median_step_rate,
     model_flops_per_token,
     run_json,
     run_trainer,
@@ -121,7 +122,7 @@ def ours(model: dict, tokenizer: str, seq: int, batch: int, steps: int, work: Pa
         max_eval_examples=batch,
     )  # fmt: skip
     metrics, _ = run_trainer([*flags(**settings), "--no-save-final"], trainer_env())
-    return statistics.median(row["examples_per_s"] for row in metrics["train"][1:])
+    return median_step_rate(metrics)
 
 
 def measure(smoke: bool, steps: int) -> dict:

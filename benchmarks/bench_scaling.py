@@ -36,6 +36,7 @@ from common import (
     flags,
     job_env,
     machine,
+    median_step_rate,
     run_json,
     run_trainer,
     scratch_dir,
@@ -87,11 +88,7 @@ def dp_scaling(model: str, data: Path, work: Path, steps: int, batch: int) -> di
         )
         run_job(client, spec, timeout=1800, log=None)
     two = json.loads((work / "dp-two" / "metrics.json").read_text())
-
-    def median_step(metrics: dict) -> float:
-        return statistics.median(row["examples_per_s"] for row in metrics["train"][1:])
-
-    a, b = median_step(one), median_step(two)
+    a, b = median_step_rate(one), median_step_rate(two)
     mean_a, mean_b = one["final"]["examples_per_s"], two["final"]["examples_per_s"]
     return {
         "dp_one_process_one_core_examples_per_s": round(a, 2),
@@ -124,24 +121,21 @@ def step_seconds_by_length(model: str, data: Path, batch: int, lengths: list[int
     from kubejax.data import dataset
     from kubejax.trainer import distributed
     from kubejax.trainer.config import TrainConfig
-    from kubejax.trainer.model import BertClassifier
     from kubejax.trainer.steps import make_train_step
-    from kubejax.trainer.train import make_optimizer
-    from kubejax.trainer.weights import load_config, load_pretrained, read_tensors
+    from kubejax.trainer.train import build_model, load_data, make_optimizer
 
-    cfg = TrainConfig(model=model, data_dir=str(data), output_dir="unused", dropout=0.1)
-    model_cfg = load_config(Path(model))
-    # As the trainer applies `dropout` (train.build_model).
-    model_cfg.hidden_dropout_prob = model_cfg.attention_probs_dropout_prob = cfg.dropout
-    model_cfg.classifier_dropout = cfg.dropout
-    net = BertClassifier(model_cfg, 5, rngs=nnx.Rngs(0))
-    load_pretrained(net, read_tensors(Path(model)))
+    cfg = TrainConfig(
+        model=model, data_dir=str(data), output_dir="unused", dropout=0.1,
+        global_batch_size=batch, max_length=max(lengths),
+    )  # fmt: skip
+    train_data = load_data(cfg)
+    net, _, _ = build_model(cfg, train_data)
     graphdef, params = nnx.split(net, nnx.Param)
     tx = make_optimizer(cfg)
     opt_state = tx.init(params)
     mesh = distributed.data_mesh()
     step = make_train_step(graphdef, tx, mesh, 0)
-    split = dataset.load_split(data, "train")
+    split = train_data.train
     rows = np.argsort(split.lengths)
     seconds = {}
     for i, length in enumerate(lengths):

@@ -27,6 +27,7 @@ from common import (
     flags,
     machine,
     matmul_peak_gflops,
+    median_step_rate,
     model_flops_per_token,
     run_json,
     run_trainer,
@@ -110,9 +111,7 @@ def measure(steps: int = 12, batch: int = 32, rounds: int = 3) -> dict:
     for r in range(rounds):
         peak = matmul_peak_gflops()
         metrics, _ = run_trainer(flags(**settings, log_every=1, output_dir=work / f"r{r}"), env)
-        # The median step after the first: a step that the machine's neighbours slowed down
-        # moves a mean over a dozen steps by several percent (bench/NOTES.md).
-        ours = statistics.median(row["examples_per_s"] for row in metrics["train"][1:])
+        ours = median_step_rate(metrics)
         means.append(metrics["final"]["examples_per_s"])
         # The peer in this process's own environment: the malloc tunable made torch slower.
         peer = run_json(

@@ -8,6 +8,7 @@ import json
 import os
 import platform
 import shutil
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -79,6 +80,13 @@ def trainer_env(**extra: str) -> dict[str, str]:
 def flags(**settings) -> list[str]:
     """Trainer command-line flags from settings."""
     return [a for k, v in settings.items() for a in ("--" + k.replace("_", "-"), str(v))]
+
+
+def median_step_rate(metrics: dict) -> float:
+    """Examples/s of the trainer's median step after the first (from its per-step log): a step
+    that the machine's neighbours slowed down moves a mean over a dozen steps by several
+    percent (bench/NOTES.md, attempt 15)."""
+    return statistics.median(row["examples_per_s"] for row in metrics["train"][1:])
 
 
 def run_trainer(args: list[str], env: dict, prefix: list[str] = ()) -> tuple[dict, list[tuple]]:
