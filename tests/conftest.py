@@ -37,6 +37,25 @@ def pytest_unconfigure(config):
         os._exit(_EXIT_STATUS[0])
 
 
+@pytest.fixture(autouse=True, scope="session")
+def _temporary_files_under_pytest(tmp_path_factory):
+    """What the code under test writes to the temporary folder (the local backend's job logs,
+    its subprocesses' files) goes under pytest's own base folder, which pytest prunes, instead
+    of piling up in /tmp run after run."""
+    import tempfile
+
+    folder = str(tmp_path_factory.mktemp("tmp"))
+    saved = tempfile.tempdir, os.environ.get("TMPDIR")
+    tempfile.tempdir = folder
+    os.environ["TMPDIR"] = folder
+    yield
+    tempfile.tempdir = saved[0]
+    if saved[1] is None:
+        os.environ.pop("TMPDIR", None)
+    else:
+        os.environ["TMPDIR"] = saved[1]
+
+
 TINY_CONFIG = {
     "hidden_size": 32,
     "num_hidden_layers": 2,

@@ -156,11 +156,13 @@ def test_the_trainer_imports_neither_transformers_nor_torch():
     assert out.stdout.strip() == "[]"
 
 
-def test_config_fields_of_the_wrong_type_are_named(tmp_path):
+def test_config_fields_of_the_wrong_type_or_range_are_named(tmp_path):
     for values, message in [
         ({"hidden_size": "wide"}, "hidden_size: must be a positive integer, got 'wide'"),
         ({"num_hidden_layers": 0}, "num_hidden_layers: must be a positive integer"),
         ({"hidden_dropout_prob": "x"}, "hidden_dropout_prob: must be a non-negative number"),
+        ({"attention_probs_dropout_prob": 1.0}, "attention_probs_dropout_prob: must be in [0, 1)"),
+        ({"classifier_dropout": 1.5}, "classifier_dropout: must be in [0, 1), got 1.5"),
         ({"hidden_size": 30, "num_attention_heads": 4}, "not a multiple of num_attention_heads"),
     ]:
         (tmp_path / "config.json").write_text(json.dumps(values))

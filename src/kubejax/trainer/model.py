@@ -19,6 +19,9 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+#: BertConfig's dropout probabilities.
+DROPOUT_FIELDS = ("hidden_dropout_prob", "attention_probs_dropout_prob", "classifier_dropout")
+
 
 @dataclasses.dataclass
 class BertConfig:
@@ -62,6 +65,9 @@ class BertConfig:
                 raise ValueError(f"{name}: must be a non-negative number, got {value!r}")
             if field.type == "str" and not isinstance(value, str):
                 raise ValueError(f"{name}: must be a string, got {value!r}")
+            # A rate of 1 or more would scale kept elements by 1/(1 - rate): inf or negative.
+            if name in DROPOUT_FIELDS and value is not None and not value < 1:
+                raise ValueError(f"{name}: must be in [0, 1), got {value!r}")
         if cfg.hidden_size % cfg.num_attention_heads:
             raise ValueError(
                 f"hidden_size: {cfg.hidden_size} is not a multiple of num_attention_heads "
