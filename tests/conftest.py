@@ -45,15 +45,10 @@ def _temporary_files_under_pytest(tmp_path_factory):
     import tempfile
 
     folder = str(tmp_path_factory.mktemp("tmp"))
-    saved = tempfile.tempdir, os.environ.get("TMPDIR")
-    tempfile.tempdir = folder
-    os.environ["TMPDIR"] = folder
-    yield
-    tempfile.tempdir = saved[0]
-    if saved[1] is None:
-        os.environ.pop("TMPDIR", None)
-    else:
-        os.environ["TMPDIR"] = saved[1]
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(tempfile, "tempdir", folder)
+        patch.setenv("TMPDIR", folder)
+        yield
 
 
 TINY_CONFIG = {
