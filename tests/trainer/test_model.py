@@ -259,6 +259,86 @@ def test_the_cpu_train_step_gives_ynnpack_every_weight_gradient_product(minilm_d
     assert len(re.findall(r"__ynn_fusion", hlo)) > 20
 
 
+@pytest.mark.parametrize(
+    ("rows", "length", "budget", "expected"),
+    [(32, 128, 1024, 8), (16, 512, 1024, 2), (7, 256, 1024, 1), (32, 32, 1024, 32),
+     (4, 2048, 1024, 1), (12, 128, 1024, 6), (32, 128, 0, 32)],
+)  # fmt: skip
+def test_a_piece_is_the_most_rows_dividing_the_batch_within_the_token_budget(
+    rows, length, budget, expected
+):
+    from kubejax.trainer.steps import piece_rows
+
+    assert piece_rows(rows, length, budget) == expected
+
+
+def _tiny_classifier(dropout: float = 0.0):
+    from kubejax.trainer.model import BertConfig as OurConfig
+
+    cfg = OurConfig(
+        hidden_size=32, num_hidden_layers=2, num_attention_heads=2, intermediate_size=64,
+        vocab_size=100, max_position_embeddings=512, hidden_dropout_prob=dropout,
+        attention_probs_dropout_prob=dropout,
+    )  # fmt: skip
+    return BertClassifier(cfg, 5, rngs=nnx.Rngs(0))
+
+
+def test_a_batch_in_pieces_gives_the_whole_batchs_gradients_and_logits():
+    # On CPU the steps run a device's batch in pieces of CPU_PIECE_TOKENS tokens; the mean of
+    # the pieces' gradients is the batch's (equal pieces), the logits are the same rows'.
+    import jax
+
+    from kubejax.trainer.steps import _gradients, _logits_in_pieces
+
+    model = _tiny_classifier()
+    graphdef, params = nnx.split(model, nnx.Param)
+    rng = np.random.default_rng(0)
+    ids = rng.integers(1, 100, (1, 12, 256)).astype(np.int32)
+    mask = np.ones_like(ids)
+    mask[0, 3, 100:] = 0  # padding in one row of one piece
+    batch = {"input_ids": ids, "attention_mask": mask, "labels": rng.integers(0, 5, (1, 12))}
+    key = jax.random.key(0)
+    whole = _gradients(graphdef, params, batch, key, budget=0)
+    pieces = _gradients(graphdef, params, batch, key, budget=1024)  # 3 pieces of 4 rows
+    np.testing.assert_allclose(float(pieces[0]), float(whole[0]), rtol=1e-5)
+    assert float(pieces[1]) == float(whole[1])
+    typical = max(float(np.abs(g).max()) for g in jax.tree.leaves(whole[2]))
+    got = jax.tree_util.tree_flatten_with_path(pieces[2])[0]
+    for (path, g), want in zip(got, jax.tree.leaves(whole[2]), strict=True):
+        name = jax.tree_util.keystr(path)
+        if "['key']['bias']" in name:  # zero by symmetry: rounding noise on both sides
+            assert float(np.abs(g).max()) <= 1e-6 * typical, name
+        else:
+            assert_close_to_scale(g, want, 1e-4, name)
+    flat = {"input_ids": ids[0], "attention_mask": mask[0]}
+    assert_close_to_scale(
+        _logits_in_pieces(model, flat, 1, 1024),
+        model(ids[0], mask[0], deterministic=True),
+        1e-5,
+        "logits",
+    )
+
+
+def test_the_cpu_train_step_keeps_its_temporaries_to_a_piece(monkeypatch):
+    import optax
+
+    from kubejax.trainer import distributed, steps
+
+    graphdef, params = nnx.split(_tiny_classifier(dropout=0.1), nnx.Param)
+    tx = optax.inject_hyperparams(optax.adamw)(learning_rate=0.1)
+    ids = np.ones((1, 32, 256), np.int32)
+    batch = {"input_ids": ids, "attention_mask": ids, "labels": np.zeros((1, 32), np.int32)}
+
+    def temporaries() -> int:
+        step = steps.make_train_step(graphdef, tx, distributed.data_mesh(), 0)
+        compiled = step.lower(params, tx.init(params), batch, 0, np.float32(0.1)).compile()
+        return compiled.memory_analysis().temp_size_in_bytes
+
+    pieces = temporaries()  # 8 pieces of 4 rows
+    monkeypatch.setattr(steps, "CPU_PIECE_TOKENS", 0)
+    assert pieces < temporaries() / 3
+
+
 def test_dropout_bits_look_independent_and_uniform():
     import jax
 

@@ -19,7 +19,7 @@ from kubejax.jaxjob.launch import run_job
 from kubejax.jaxjob.spec import JAXJobSpec
 from kubejax.trainer.config import ConfigError, TrainConfig
 from kubejax.trainer.train import main as trainer_main
-from tests.helpers import assert_same_training, tiny_args, trainer_cmd
+from tests.helpers import assert_close_to_scale, assert_same_training, tiny_args, trainer_cmd
 
 
 def _losses(out: Path) -> list[float]:
@@ -321,6 +321,45 @@ def test_data_parallel_gradients_are_averaged_as_one_buffer():
     assert out["2"]["reduced_arrays"] == 6
     assert out["2"]["grad_norm"] == pytest.approx(out["1"]["grad_norm"], rel=1e-4)
     assert out["2"]["params"] == pytest.approx(out["1"]["params"], rel=1e-4, abs=1e-4)
+
+
+_TWO_DEVICE_EVAL = """
+import json, numpy as np, jax
+from flax import nnx
+from jax.sharding import Mesh
+from kubejax.trainer import distributed, steps
+from kubejax.trainer.model import BertClassifier, BertConfig
+cfg = BertConfig(hidden_size=32, num_hidden_layers=2, num_attention_heads=2, intermediate_size=64,
+                 vocab_size=100, max_position_embeddings=256)
+graphdef, params = nnx.split(BertClassifier(cfg, 5, rngs=nnx.Rngs(0)))
+rng = np.random.default_rng(0)
+batch = {"input_ids": rng.integers(1, 100, (16, 256)).astype(np.int32),
+         "attention_mask": np.ones((16, 256), np.int32),
+         "labels": rng.integers(0, 5, 16).astype(np.int32), "weights": np.ones(16, np.float32)}
+mesh = Mesh(np.array(jax.devices()[:2]), ("data",))
+out = {}
+for budget in (1024, 0):  # 8 rows of 256 tokens a device: 2 pieces of 4 rows, or whole
+    steps.CPU_PIECE_TOKENS = budget
+    step = steps.make_eval_step(graphdef, mesh)
+    sums, logits = step(params, jax.device_put(batch, distributed.batch_sharding(mesh)))
+    out[budget] = {"logits": np.asarray(logits).tolist(), "loss": float(sums["loss"])}
+print(json.dumps(out))
+"""
+
+
+def test_evaluation_in_pieces_on_two_devices_keeps_every_rows_logits():
+    # Each device's rows are cut into pieces inside the compiled step; the pieces must keep
+    # every row on its own device and the logits in row order.
+    env = {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=2"}
+    run = subprocess.run(
+        [sys.executable, "-c", _TWO_DEVICE_EVAL], env=env, capture_output=True, text=True
+    )
+    assert run.returncode == 0, run.stderr[-2000:]
+    out = json.loads(run.stdout.splitlines()[-1])
+    pieces, whole = np.asarray(out["1024"]["logits"]), np.asarray(out["0"]["logits"])
+    assert pieces.shape == (16, 5)
+    assert_close_to_scale(pieces, whole, 1e-5, "logits")
+    assert out["1024"]["loss"] == pytest.approx(out["0"]["loss"], rel=1e-5)
 
 
 def test_resume_refuses_a_checkpoint_of_another_optimizer(
