@@ -305,16 +305,19 @@ print(json.dumps(out))
 """
 
 
+def _on_two_cpu_devices(script: str) -> dict:
+    """The JSON last line of `script`, run by Python in a process with two CPU devices."""
+    env = {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=2"}
+    run = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True)
+    assert run.returncode == 0, run.stderr[-2000:]
+    return json.loads(run.stdout.splitlines()[-1])
+
+
 def test_data_parallel_gradients_are_averaged_as_one_buffer():
     # Two devices in one process stand for two workers. Left to the partitioner, the gradients
     # went into one all-reduce of every tensor (105 for MiniLM): over gloo, 0.52 s a step
     # against 0.17 s for the same bytes as one buffer.
-    env = {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=2"}
-    run = subprocess.run(
-        [sys.executable, "-c", _TWO_DEVICE_STEP], env=env, capture_output=True, text=True
-    )
-    assert run.returncode == 0, run.stderr[-2000:]
-    out = json.loads(run.stdout.splitlines()[-1])
+    out = _on_two_cpu_devices(_TWO_DEVICE_STEP)
     assert out["1"]["reduced_arrays"] == 0
     # The dense gradients as one buffer, the embedding rows of the batch's tokens and those
     # tokens, loss, accuracy and the token count: 6 arrays, not the model's 44 tensors.
@@ -350,12 +353,7 @@ print(json.dumps(out))
 def test_evaluation_in_pieces_on_two_devices_keeps_every_rows_logits():
     # Each device's rows are cut into pieces inside the compiled step; the pieces must keep
     # every row on its own device and the logits in row order.
-    env = {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=2"}
-    run = subprocess.run(
-        [sys.executable, "-c", _TWO_DEVICE_EVAL], env=env, capture_output=True, text=True
-    )
-    assert run.returncode == 0, run.stderr[-2000:]
-    out = json.loads(run.stdout.splitlines()[-1])
+    out = _on_two_cpu_devices(_TWO_DEVICE_EVAL)
     pieces, whole = np.asarray(out["1024"]["logits"]), np.asarray(out["0"]["logits"])
     assert pieces.shape == (16, 5)
     assert_close_to_scale(pieces, whole, 1e-5, "logits")
