@@ -32,8 +32,10 @@ def loss_fn(graphdef, params, batch, key, deterministic: bool):
 #: step's temporaries shrink with the piece (MiniLM, 32 rows of 128 tokens: 1.19 GB -> 0.36 GB),
 #: and the runtime maps them afresh every step, so a large block costs page faults each step;
 #: the pieces' working set also stays nearer the caches. Measured on 2 cores: train step 2.06 ->
-#: 1.67 s at 32 x 128 and 5.13 -> 4.33 s at 16 x 512, evaluation batch 64 x 128 1.30 -> 1.14 s;
-#: smaller pieces were slower (bench/NOTES.md, attempt 26). Accelerators take the whole batch.
+#: 1.67 s at 32 x 128 and 5.13 -> 4.33 s at 16 x 512 (smaller pieces were slower); for the
+#: evaluation step the gain was within the machine's noise, the memory bound is not (64 rows of
+#: 512 tokens hold 0.8 GB of attention scores a layer). bench/NOTES.md, attempt 26.
+#: Accelerators take the whole batch.
 CPU_PIECE_TOKENS = 1024
 
 
