@@ -127,7 +127,7 @@ def _data_parallel_gradients(graphdef, mesh, params, batch, key, budget: int):
     return local(params, batch, key)
 
 
-def _gradients(graphdef, params, batch, key, budget: int = 0):
+def _gradients(graphdef, params, batch, key, budget: int):
     """Mean loss, accuracy and gradients over the micro-batches of [accum, micro, length], each
     micro-batch in pieces of at most `budget` tokens (0: whole)."""
     accum, size, length = batch["input_ids"].shape
