@@ -141,15 +141,16 @@ def _gradients(graphdef, params, batch, key, budget: int):
         (loss, (acc, _)), grads = grad_fn(params, jax.tree.map(lambda x: x[0], batch), key)
         return loss, acc, grads
 
-    def micro(carry, xs):
-        grads, loss, acc = carry
+    # The losses and accuracies leave the loop as its outputs, not in its carry: in a
+    # data-parallel step (shard_map) they vary by device, which a zero carry would not.
+    def micro(grads, xs):
         mb, i = xs
         (mb_loss, (mb_acc, _)), g = grad_fn(params, mb, jax.random.fold_in(key, i))
-        return (jax.tree.map(jnp.add, grads, g), loss + mb_loss, acc + mb_acc), None
+        return jax.tree.map(jnp.add, grads, g), (mb_loss, mb_acc)
 
-    init = (jax.tree.map(jnp.zeros_like, params), jnp.zeros(()), jnp.zeros(()))
-    (grads, loss, acc), _ = jax.lax.scan(micro, init, (batch, jnp.arange(accum)))
-    return loss / accum, acc / accum, jax.tree.map(lambda g: g / accum, grads)
+    zeros = jax.tree.map(jnp.zeros_like, params)
+    grads, (loss, acc) = jax.lax.scan(micro, zeros, (batch, jnp.arange(accum)))
+    return loss.mean(), acc.mean(), jax.tree.map(lambda g: g / accum, grads)
 
 
 def cache_every_program() -> None:
