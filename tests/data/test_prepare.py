@@ -70,15 +70,20 @@ def test_a_split_of_several_shards_reads_as_datasets_reads_it(tmp_path):
 
 
 @pytest.mark.parametrize(
-    "rows, processes, sizes",
-    [(75, 1, [32, 32, 16]), (75, 4, [32, 32, 16]), (65, 1, [32, 32, 1]), (65, 2, [32, 32, 2]),
-     (65, 4, [32, 32, 4]), (64, 2, [32, 32])],
+    "rows, processes, devices, sizes",
+    [(75, 1, 1, [32, 32, 16]), (75, 4, 1, [32, 32, 16]), (65, 1, 1, [32, 32, 1]),
+     (65, 2, 1, [32, 32, 2]), (65, 4, 1, [32, 32, 4]), (64, 2, 1, [32, 32]),
+     # Several devices a process (a multi-GPU worker): a row for each device at least.
+     (65, 1, 2, [32, 32, 2]), (65, 2, 4, [32, 32, 8]), (67, 1, 4, [32, 32, 4]),
+     (73, 2, 2, [32, 32, 16])],
 )  # fmt: skip
-def test_the_last_evaluation_batch_is_padded_to_a_power_of_two_only(rows, processes, sizes):
+def test_the_last_evaluation_batch_is_padded_to_a_power_of_two_only(
+    rows, processes, devices, sizes
+):
     split = load_split_like(lengths=[5] * (rows - 5) + [9] * 5)
     per_process = [
         list(eval_batches(split, batch_size=32, process_index=p, process_count=processes,
-                          bucket_multiple=8, max_length=16))
+                          local_devices=devices, bucket_multiple=8, max_length=16))
         for p in range(processes)
     ]  # fmt: skip
     assert [sum(len(b[i]["weights"]) for b in per_process) for i in range(len(sizes))] == sizes

@@ -363,6 +363,34 @@ def test_evaluation_in_pieces_on_two_devices_keeps_every_rows_logits():
     assert out["1024"]["loss"] == pytest.approx(out["0"]["loss"], rel=1e-5)
 
 
+_TWO_DEVICE_PREDICT = """
+import json, numpy as np, jax
+from flax import nnx
+from kubejax.data.dataset import TokenizedSplit
+from kubejax.trainer.model import BertClassifier, BertConfig
+from kubejax.trainer.predict import predict_logits
+cfg = BertConfig(hidden_size=32, num_hidden_layers=2, num_attention_heads=2, intermediate_size=64,
+                 vocab_size=100, max_position_embeddings=64)
+model = BertClassifier(cfg, 5, rngs=nnx.Rngs(0))
+rng = np.random.default_rng(0)
+lengths = rng.integers(3, 40, 17)  # 17 rows in batches of 8: the last has 1
+rows = [rng.integers(1, 100, n).astype(np.int32) for n in lengths]
+split = TokenizedSplit(np.concatenate(rows), np.concatenate([[0], np.cumsum(lengths)]),
+                       np.zeros(17, np.int32))
+got = predict_logits(model, split, batch_size=8, max_length=64)
+alone = [np.asarray(model(r[None], np.ones((1, len(r)), np.int32)))[0] for r in rows]
+print(json.dumps({"devices": jax.device_count(), "got": got.tolist(),
+                  "alone": np.stack(alone).tolist()}))
+"""
+
+
+def test_predictions_on_two_devices_keep_every_row_and_a_short_last_batch():
+    # A last batch with fewer rows than a power of two per device once failed to shard.
+    out = _on_two_cpu_devices(_TWO_DEVICE_PREDICT)
+    assert out["devices"] == 2
+    assert_close_to_scale(np.asarray(out["got"]), np.asarray(out["alone"]), 1e-5, "logits")
+
+
 def test_resume_refuses_a_checkpoint_of_another_optimizer(
     tmp_path, capsys, tiny_model_dir, prepared
 ):

@@ -179,20 +179,22 @@ def eval_batches(
     batch_size: int,
     process_index: int,
     process_count: int,
+    local_devices: int,
     bucket_multiple: int,
     max_length: int,
     limit: int = 0,
 ) -> Iterator[dict[str, np.ndarray]]:
-    """Every row once, in length order, as global batches of `batch_size` with a `weights`
-    array. The last batch is padded with weight-0 rows to a power of two per process (at most
-    `batch_size`), so all processes keep the same shapes without computing a whole batch of
-    padding for a few rows."""
+    """Every row once, in length order, as global batches of `batch_size` (a multiple of the
+    devices, `process_count` × `local_devices`) with a `weights` array. The last batch is
+    padded with weight-0 rows to a power of two per device (at most `batch_size`), so all
+    devices keep equal shapes without computing a whole batch of padding for a few rows."""
     n = len(split) if limit <= 0 else min(limit, len(split))
     order = np.argsort(split.lengths[:n], kind="stable")
+    devices = process_count * local_devices
     for start in range(0, n, batch_size):
         rows = order[start : start + batch_size]
-        per_process = 1 << (math.ceil(len(rows) / process_count) - 1).bit_length()
-        size = min(batch_size, per_process * process_count)
+        per_device = 1 << (math.ceil(len(rows) / devices) - 1).bit_length()
+        size = min(batch_size, per_device * devices)
         local = size // process_count
         weights = np.ones(size, dtype=np.float32)
         weights[len(rows) :] = 0.0

@@ -39,6 +39,7 @@ def predict_logits(
         batch_size=batch_size,
         process_index=0,
         process_count=1,
+        local_devices=len(devices),
         bucket_multiple=dataset.DEFAULT_BUCKET_MULTIPLE,
         max_length=max_length,
     ):

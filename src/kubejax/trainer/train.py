@@ -185,6 +185,7 @@ def evaluate_split(eval_step, params, split, cfg: TrainConfig, mesh) -> dict:
         batch_size=cfg.eval_batch_size,
         process_index=jax.process_index(),
         process_count=jax.process_count(),
+        local_devices=jax.local_device_count(),
         bucket_multiple=cfg.bucket_multiple,
         max_length=cfg.max_length,
         limit=cfg.max_eval_examples,
