@@ -14,7 +14,7 @@ from kubejax import report
 from kubejax.data import dataset
 from kubejax.errors import KubejaxError
 from kubejax.trainer import weights
-from kubejax.trainer.predict import predict_logits
+from kubejax.trainer.predict import predict_logits, use_cpu_cores_as_devices
 
 
 class EvaluationError(KubejaxError, ValueError):
@@ -198,6 +198,7 @@ def evaluate_task(
     from kubejax.trainer.steps import cache_every_program
 
     cache_every_program()
+    use_cpu_cores_as_devices(batch_size)
     t0 = time.monotonic()
     result = evaluate_model(model_path, dataset_path, split=split, batch_size=batch_size)
     names = result["label_names"]

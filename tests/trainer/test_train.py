@@ -391,6 +391,41 @@ def test_predictions_on_two_devices_keep_every_row_and_a_short_last_batch():
     assert_close_to_scale(np.asarray(out["got"]), np.asarray(out["alone"]), 1e-5, "logits")
 
 
+_CPU_DEVICES = """
+import json, os, sys, jax
+from kubejax.trainer.predict import cpu_cores, use_cpu_cores_as_devices
+if sys.argv[1] == "started":
+    jax.numpy.zeros(1)  # JAX's first operation fixes its devices
+asked = [use_cpu_cores_as_devices(int(sys.argv[2]))]
+jax.numpy.zeros(1)
+asked.append(use_cpu_cores_as_devices(64))
+print(json.dumps({"asked": asked, "devices": jax.device_count(), "cores": cpu_cores(),
+                  "affinity": len(os.sched_getaffinity(0))}))
+"""
+
+
+@pytest.mark.parametrize(
+    ("case", "batch", "env"),
+    [("fresh", 64, {}), ("fresh", 32, {}), ("started", 64, {}),
+     ("fresh", 64, {"JAX_NUM_CPU_DEVICES": "1"})],
+)  # fmt: skip
+def test_evaluation_takes_a_cpu_device_per_core_only_where_asked(case, batch, env):
+    run = subprocess.run(
+        [sys.executable, "-c", _CPU_DEVICES, case, str(batch)],
+        env={**os.environ, "XLA_FLAGS": "", **env},
+        capture_output=True,
+        text=True,
+    )
+    assert run.returncode == 0, run.stderr[-2000:]
+    out = json.loads(run.stdout.splitlines()[-1])
+    assert 1 <= out["cores"] <= out["affinity"]
+    # A device per core, each with 32 rows of a batch at least; none after JAX started, or
+    # where the user set the count; asking again once JAX runs changes nothing.
+    wanted = min(out["cores"], batch // 32) if case == "fresh" and not env else 1
+    assert out["asked"] == [wanted, 1]
+    assert out["devices"] == (int(env["JAX_NUM_CPU_DEVICES"]) if env else wanted)
+
+
 def test_resume_refuses_a_checkpoint_of_another_optimizer(
     tmp_path, capsys, tiny_model_dir, prepared
 ):
