@@ -34,11 +34,13 @@ def use_cpu_cores_as_devices(batch_size: int) -> int:
     """On CPU, run evaluation on one JAX device per core (each taking at least
     `CPU_DEVICE_ROWS` rows of a batch); returns the CPU device count asked for (1: unchanged).
 
-    Each device runs its share of the batch on a thread of its own: MiniLM's forward pass
-    measured 8-13 % faster on 2 cores than one device whose every operation is split over
-    both cores (bench/NOTES.md, attempt 27). JAX fixes its devices at its first operation:
-    call this before it. Kept as they are: a count the user set (JAX_NUM_CPU_DEVICES or
-    XLA_FLAGS' host device count), and the devices of a JAX already started.
+    Each device runs its share of the batch on a thread of its own: MiniLM's evaluation on 2
+    cores measured 81.0 against 73.2 examples/s for one device whose every operation is split
+    over both cores (medians of 3 alternated runs, bench/NOTES.md, attempt 27). JAX fixes its
+    devices at its first operation: call this before it. Kept as they are: a count the user
+    set (JAX_NUM_CPU_DEVICES or XLA_FLAGS' host device count), and the devices of a JAX
+    already started. Where JAX computes on an accelerator, the CPU device count changes
+    nothing it uses.
     """
     wanted = max(1, min(cpu_cores(), batch_size // CPU_DEVICE_ROWS))
     user_set = jax.config.jax_num_cpu_devices != -1 or (
