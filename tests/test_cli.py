@@ -81,23 +81,20 @@ def test_jaxjob_render_rejects_a_bad_name(capsys):
 
 
 @pytest.mark.slow
-def test_jaxjob_run_local_two_workers(tmp_path, tiny_model_dir, prepared, capsys):
+@pytest.mark.parametrize(
+    "command",
+    [["jaxjob", "run", "--local"], ["launch", "--engine", "local"]],
+    ids=["jaxjob run --local", "launch --engine local"],
+)
+def test_local_run_of_two_workers(command, tmp_path, tiny_model_dir, prepared, capsys):
     out = tmp_path / "o"
+    # 32 rows of up to 64 tokens a worker: more than one piece a step, summed in the step's
+    # loop on each worker before the exchange.
+    trainer = tiny_args(tiny_model_dir, prepared, out, max_steps=4, global_batch_size=64)
     code = main(
-        [
-            "jaxjob",
-            "run",
-            "--local",
-            "--replicas",
-            "2",
-            "--name",
-            "cli-run",
-            "--log-dir",
-            str(tmp_path / "logs"),
-            "--",
-            *tiny_args(tiny_model_dir, prepared, out, max_steps=4),
-        ]
-    )
+        [*command, "--replicas", "2", "--name", "cli-run", "--log-dir", str(tmp_path / "logs"),
+         "--", *trainer]
+    )  # fmt: skip
     assert code == 0
     printed = capsys.readouterr().out
     assert "[worker-0]" in printed and "[worker-1]" in printed and "Succeeded" in printed

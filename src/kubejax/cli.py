@@ -191,8 +191,10 @@ def _jaxjob_run(args) -> int:
     from kubejax.jaxjob.launch import run_job
 
     spec = _spec_from_args(args)
+    # `jaxjob run` takes --local; `launch` names its engine.
     engine = args.engine or ("local" if args.local else "jaxjob")
-    if engine == "local" or (engine == "auto" and not in_cluster()):
+    local = engine == "local" or (engine == "auto" and not in_cluster())
+    if local:
         client = JAXJobClient(
             "local", log_root=args.log_dir, echo=True, env_contract=args.env_contract
         )
@@ -204,7 +206,7 @@ def _jaxjob_run(args) -> int:
             spec,
             timeout=args.timeout,
             delete="on_success",
-            polling_interval=1.0 if args.local else None,
+            polling_interval=1.0 if local else None,
         )
     except JobFailedError as err:
         print(f"kubejax: {err}", file=sys.stderr)
