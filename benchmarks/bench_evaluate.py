@@ -62,12 +62,10 @@ def ours(model_dir: Path, data_dir: Path, batch: int, cache: Path, repeats: int)
     import jax
 
     from kubejax.evaluate import evaluate_model
-    from kubejax.trainer.predict import use_cpu_cores_as_devices
     from kubejax.trainer.steps import cache_every_program
 
     jax.config.update("jax_compilation_cache_dir", str(cache))
     cache_every_program()
-    use_cpu_cores_as_devices(batch)  # as the evaluate component does
     evaluate_model(model_dir, data_dir, batch_size=batch)  # compile the buckets
     runs = (evaluate_model(model_dir, data_dir, batch_size=batch) for _ in range(repeats))
     return statistics.median(r["examples_per_s"] for r in runs)

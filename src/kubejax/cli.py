@@ -309,9 +309,7 @@ def _add_evaluate(sub) -> None:
 
 def _evaluate(args) -> int:
     from kubejax.evaluate import evaluate_model, summary, write_eval_report
-    from kubejax.trainer.predict import use_cpu_cores_as_devices
 
-    use_cpu_cores_as_devices(args.batch_size)
     result = evaluate_model(args.model_dir, args.data_dir, args.split, args.batch_size)
     if args.report:
         write_eval_report(result, args.report)

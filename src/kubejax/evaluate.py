@@ -56,7 +56,9 @@ def classification_metrics(labels: np.ndarray, preds: np.ndarray, num_labels: in
 def evaluate_model(
     model_dir: str | Path, data_dir: str | Path, split: str = "test", batch_size: int = 64
 ) -> dict:
-    """Metrics of the model on a split, with predictions and throughput."""
+    """Metrics of the model on a split, with predictions and throughput. In a process whose JAX
+    has not started, on CPU it computes on one device per core (`use_cpu_cores_as_devices`)."""
+    use_cpu_cores_as_devices(batch_size)
     model_dir = check_model_dir(model_dir)
     meta = dataset.read_metadata(data_dir)
     try:
@@ -198,7 +200,6 @@ def evaluate_task(
     from kubejax.trainer.steps import cache_every_program
 
     cache_every_program()
-    use_cpu_cores_as_devices(batch_size)
     t0 = time.monotonic()
     result = evaluate_model(model_path, dataset_path, split=split, batch_size=batch_size)
     names = result["label_names"]
