@@ -118,6 +118,28 @@ def test_cls_only_last_layer_equals_full_computation(minilm_dir):
     assert_close_to_scale(cls[:, 0], full[:, 0], 1e-5, "[CLS] state")
 
 
+def test_folded_cls_attention_equals_keys_and_values_under_dropout(minilm_dir):
+    # The last layer's [CLS] attention folds its query into the key and value weights; with
+    # the same dropout mask it equals attention through every position's keys and values.
+    import jax.numpy as jnp
+
+    model, _ = _ours(minilm_dir)
+    layer = model.bert.layers[-1]
+    _, mask = _inputs(30522)
+    x = jnp.asarray(np.random.default_rng(1).standard_normal((3, 40, 384)), jnp.float32)
+    bias = jnp.asarray((1.0 - mask[:, None, None, :]) * np.finfo(np.float32).min)
+    q = layer.query(x[:, :1]) / np.sqrt(32.0)
+
+    def attend(method, deterministic):
+        return np.asarray(method(x, q, bias, deterministic=deterministic, rngs=nnx.Rngs(7)))
+
+    full = attend(layer._attention, deterministic=False)
+    assert not np.allclose(full, attend(layer._attention, deterministic=True))  # masks drawn
+    folded = attend(layer._folded_attention, deterministic=False)
+    assert folded.shape == (3, 1, 384)
+    assert_close_to_scale(folded, full, 2e-5, "[CLS] attention")
+
+
 def test_pytorch_bin_with_bert_prefix_loads(tmp_path, minilm_dir):
     ref = BertModel.from_pretrained(str(minilm_dir))
     state = {f"bert.{k}": v for k, v in ref.state_dict().items()}

@@ -281,32 +281,67 @@ class Layer(nnx.Module):
     def __call__(self, x, bias, *, queries: int | None, deterministic: bool, rngs) -> jax.Array:
         """`queries`: compute outputs for the first `queries` positions only (None: all).
 
-        Keys and values still cover every position, so the outputs for those positions are
-        exactly the full layer's.
+        Their attention still covers every position, so the outputs for those positions are
+        the full layer's up to rounding.
         """
-        b, _, h = x.shape
-        heads, head_dim = self.num_heads, h // self.num_heads
+        head_dim = x.shape[-1] // self.num_heads
         q_in = x if queries is None else x[:, :queries]
-        q, k, v = self.query(q_in), self.key(x), self.value(x)
         # Queries scaled before the product: on scores four times their size, XLA's CPU
         # fusion materialized the scale as a full [batch, heads, q, k] constant.
-        q = q * (1.0 / math.sqrt(head_dim))
-        # Head-major [batch, heads, tokens, head_dim] before the products: from the token-major
-        # layout XLA's CPU backend computed the probability-value product transposed, more
-        # slowly, and copied it back (bench/NOTES.md, attempt 16).
-        q, k, v = (
-            t.reshape(b, t.shape[1], heads, head_dim).transpose(0, 2, 1, 3) for t in (q, k, v)
-        )
-        scores = matmul(q, k.swapaxes(-1, -2))
-        # Softmax in float32 keeps bfloat16 runs stable.
-        probs = jax.nn.softmax(scores.astype(jnp.float32) + bias, axis=-1).astype(v.dtype)
-        probs = self.attn_dropout(probs, deterministic=deterministic, rngs=rngs)
-        ctx = matmul(probs, v).transpose(0, 2, 1, 3).reshape(b, q_in.shape[1], h)
+        q = self.query(q_in) * (1.0 / math.sqrt(head_dim))
+        attend = self._attention if queries is None else self._folded_attention
+        ctx = attend(x, q, bias, deterministic=deterministic, rngs=rngs)
         attn = self.dropout(self.attn_out(ctx), deterministic=deterministic, rngs=rngs)
         x = self.attn_norm(q_in + attn)
         ff = self.output(self.act(self.intermediate(x)))
         ff = self.dropout(ff, deterministic=deterministic, rngs=rngs)
         return self.out_norm(x + ff)
+
+    def _probs(self, scores, bias, *, deterministic: bool, rngs) -> jax.Array:
+        # Softmax in float32 keeps bfloat16 runs stable.
+        probs = jax.nn.softmax(scores.astype(jnp.float32) + bias, axis=-1).astype(scores.dtype)
+        return self.attn_dropout(probs, deterministic=deterministic, rngs=rngs)
+
+    def _attention(self, x, q, bias, *, deterministic: bool, rngs) -> jax.Array:
+        """Multi-head attention of the (scaled) queries `q` [batch, q, hidden] over `x`."""
+        b, nq, h = q.shape
+        heads = self.num_heads
+        k, v = self.key(x), self.value(x)
+        # Head-major [batch, heads, tokens, head_dim] before the products: from the token-major
+        # layout XLA's CPU backend computed the probability-value product transposed, more
+        # slowly, and copied it back (bench/NOTES.md, attempt 16).
+        q, k, v = (
+            t.reshape(b, t.shape[1], heads, h // heads).transpose(0, 2, 1, 3) for t in (q, k, v)
+        )
+        scores = matmul(q, k.swapaxes(-1, -2))
+        probs = self._probs(scores, bias, deterministic=deterministic, rngs=rngs)
+        return matmul(probs, v).transpose(0, 2, 1, 3).reshape(b, nq, h)
+
+    def _folded_attention(self, x, q, bias, *, deterministic: bool, rngs) -> jax.Array:
+        """`_attention` for a few queries, without the keys and values of every position.
+
+        A query's score against position j is q·(x_j·Wk + bk) = x_j·(Wk·q) + q·bk: each head's
+        query folded into its key weights once (Wk·q, a hidden-size vector) scores the inputs
+        themselves, and q·bk, the same at every position, leaves the softmax unchanged.
+        Likewise Σ_j p_j·(x_j·Wv + bv) = (Σ_j p_j·x_j)·Wv + (Σ_j p_j)·bv. For the [CLS] query
+        this replaces the key and value products over every position (4·length·hidden² FLOPs
+        a sequence) by 4·length·hidden·heads.
+        """
+        b, nq, h = q.shape
+        heads, head_dim = self.num_heads, h // self.num_heads
+        wk, wv = (
+            d.kernel[...].astype(x.dtype).reshape(h, heads, head_dim)
+            for d in (self.key, self.value)
+        )
+        folded = jnp.einsum("bqnd,hnd->bnqh", q.reshape(b, nq, heads, head_dim), wk)
+        scores = jnp.einsum("bnqh,bkh->bnqk", folded, x)
+        probs = self._probs(scores, bias, deterministic=deterministic, rngs=rngs)
+        mixed = jnp.einsum("bnqk,bkh->bqnh", probs, x)
+        # Dropout leaves the probabilities' sum near, not at, one.
+        weight = probs.sum(-1).transpose(0, 2, 1)[..., None]
+        value_bias = self.value.bias[...].astype(x.dtype).reshape(heads, head_dim)
+        ctx = jnp.einsum("bqnh,hnd->bqnd", mixed, wv) + weight * value_bias
+        return ctx.reshape(b, nq, h)
 
 
 class BertEncoder(nnx.Module):
@@ -327,9 +362,9 @@ class BertEncoder(nnx.Module):
     ) -> jax.Array:
         """Last hidden state [batch, length, hidden]; [batch, 1, hidden] when `cls_only`.
 
-        With `cls_only` the last layer computes queries, attention output and feed-forward for
-        the [CLS] position alone, the only one a sequence classifier reads: same result, fewer
-        FLOPs.
+        With `cls_only` the last layer computes its attention and feed-forward for the [CLS]
+        position alone, the only one a sequence classifier reads, without every position's keys
+        and values (`Layer._folded_attention`): the same result, fewer FLOPs.
         """
         x = self.embeddings(input_ids, deterministic=deterministic, rngs=rngs)
         # Additive mask as in transformers: the dtype's minimum on padded keys.
