@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import os
+import shutil
 import sys
+import tempfile
 from pathlib import Path
 
 import pytest
@@ -13,12 +15,20 @@ from tests.helpers import free_port, tiny_args
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "true")
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+# One JAX persistent compilation cache for the whole run, in this process (JAX reads it when
+# first imported, after this file) and in every trainer process the tests start: the tests
+# compile the tiny model's same programs again and again, 5-6 s a process without it. It is
+# the run's own, so a developer's cache neither leaks in nor fills up, and it goes at the end.
+_JAX_CACHE = tempfile.mkdtemp(prefix="kubejax-tests-jax-cache-")
+os.environ["JAX_COMPILATION_CACHE_DIR"] = _JAX_CACHE
+os.environ["JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS"] = "0"
 
 _EXIT_STATUS: list[int] = []
 
 
 def pytest_sessionfinish(session, exitstatus):
     _EXIT_STATUS.append(int(exitstatus))
+    shutil.rmtree(_JAX_CACHE, ignore_errors=True)
 
 
 @pytest.hookimpl(trylast=True)

@@ -93,11 +93,15 @@ def test_pyfunc_round_trip_in_a_fresh_process_and_registration(
 
 
 def test_trainer_logs_params_metrics_and_system_metrics(
-    mlflow_server, tmp_path, tiny_model_dir, prepared
+    mlflow_server, tmp_path, monkeypatch, tiny_model_dir, prepared
 ):
+    from kubejax import tracking
     from kubejax.trainer.train import main
     from tests.helpers import tiny_args
 
+    # MLflow logs system metrics once a sampling interval has passed; with its programs in the
+    # compilation cache this run trains for less than the trainer's 2 s.
+    monkeypatch.setattr(tracking, "SYSTEM_METRICS_SECONDS", 0.2)
     out = tmp_path / "o"
     args = tiny_args(
         tiny_model_dir,

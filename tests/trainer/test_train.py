@@ -378,7 +378,10 @@ rows = [rng.integers(1, 100, n).astype(np.int32) for n in lengths]
 split = TokenizedSplit(np.concatenate(rows), np.concatenate([[0], np.cumsum(lengths)]),
                        np.zeros(17, np.int32))
 got = predict_logits(model, split, batch_size=8, max_length=64)
-alone = [np.asarray(model(r[None], np.ones((1, len(r)), np.int32)))[0] for r in rows]
+# Each row alone: one row a call, on one device, padded to 64 with its mask (one compile).
+one = jax.jit(lambda i, m: model(i, m))
+pad = lambda r: jax.device_put(np.pad(r, (0, 64 - len(r)))[None], jax.devices()[0])
+alone = [np.asarray(one(pad(r), pad(np.ones_like(r))))[0] for r in rows]
 print(json.dumps({"devices": jax.device_count(), "got": got.tolist(),
                   "alone": np.stack(alone).tolist()}))
 """
