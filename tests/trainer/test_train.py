@@ -52,7 +52,9 @@ def _run_local(
 
 
 @pytest.mark.slow
-def test_two_processes_equal_one_process(tmp_path, tiny_model_dir, prepared):
+def test_two_processes_equal_one_process(tmp_path, monkeypatch, tiny_model_dir, prepared):
+    # JAX's compiler says in the workers' logs which programs it found in the persistent cache.
+    monkeypatch.setenv("JAX_DEBUG_LOG_MODULES", "jax._src.compiler")
     one, two = tmp_path / "one", tmp_path / "two"
     subprocess.run(
         trainer_cmd(*tiny_args(tiny_model_dir, prepared, one)), check=True, capture_output=True
@@ -74,6 +76,12 @@ def test_two_processes_equal_one_process(tmp_path, tiny_model_dir, prepared):
     _run_local("dp-v2", 2, tiny_args(tiny_model_dir, prepared, v2), tmp_path, contract="trainjob")
     assert json.loads((v2 / "metrics.json").read_text())["final"]["num_processes"] == 2
     np.testing.assert_allclose(_losses(v2), b, rtol=1e-6)
+    # The second job's programs are the first's: both workers find every one in the cache
+    # (process 1 used to compile them all again while process 0 waited for it).
+    for worker in ("worker-0", "worker-1"):
+        log = (tmp_path / "logs" / "dp-v2" / f"{worker}.log").read_text()
+        assert "cache hit for 'jit_train_step'" in log, worker
+        assert "CACHE MISS" not in log, worker
     assert sorted(p.name for p in (two / "resources").iterdir()) == [
         "worker-0.json",
         "worker-1.json",
