@@ -11,6 +11,9 @@ Each side's rate is its median step after the first (ours from the trainer's per
 `train_examples_per_s_mean_of_steps` is the trainer's own mean over its steps). MFU is against
 a float32 matmul peak measured before each round (model FLOPs by the standard count: 6·N per
 token, N = non-embedding parameters, plus 12·L·H·T per token for attention).
+
+The `_bf16` figures: the same in bfloat16 compute (parameters float32), the compiled pipeline's
+training dtype, against the peer under `torch.autocast` in bfloat16 and a bfloat16 matmul peak.
 """
 
 from __future__ import annotations
@@ -59,9 +62,10 @@ def long_reviews(path: Path, n: int, min_words: int = 160) -> Path:
     return path
 
 
-def torch_peer(model: str, batch: int, steps: int) -> float:
+def torch_peer(model: str, batch: int, steps: int, dtype: str = "float32") -> float:
     """examples/s of transformers' PyTorch BertForSequenceClassification, eager, AdamW: the
-    median step after a first one, as for ours."""
+    median step after a first one, as for ours; in bfloat16, under `torch.autocast`."""
+    import contextlib
     import time
 
     import torch
@@ -73,10 +77,14 @@ def torch_peer(model: str, batch: int, steps: int) -> float:
     opt = torch.optim.AdamW(net.parameters(), lr=5e-5)
     ids = torch.randint(1000, 30000, (batch, 128))
     labels = torch.randint(0, 5, (batch,))
+    autocast = contextlib.nullcontext()
+    if dtype == "bfloat16":
+        autocast = torch.autocast("cpu", dtype=torch.bfloat16)
     times = []
     for _ in range(steps + 1):
         t = time.perf_counter()
-        loss = net(input_ids=ids, attention_mask=torch.ones_like(ids), labels=labels).loss
+        with autocast:
+            loss = net(input_ids=ids, attention_mask=torch.ones_like(ids), labels=labels).loss
         loss.backward()
         torch.nn.utils.clip_grad_norm_(net.parameters(), 1.0)  # as ours (max_grad_norm 1.0)
         opt.step()
@@ -118,6 +126,14 @@ def measure(steps: int = 12, batch: int = 32, rounds: int = 3) -> dict:
             [__file__, "--torch-peer", model, "--batch", str(batch), "--steps", str(steps)]
         )["examples_per_s"]
         rows.append((peak, ours, peer))
+    bf16 = []
+    for r in range(2):
+        peak = matmul_peak_gflops(dtype="bfloat16")
+        args = flags(**settings, dtype="bfloat16", log_every=1, output_dir=work / f"bf16-{r}")
+        metrics, _ = run_trainer(args, env)
+        peer_args = ["--torch-peer", model, "--batch", str(batch), "--steps", str(steps)]
+        peer = run_json([__file__, *peer_args, "--dtype", "bfloat16"])["examples_per_s"]
+        bf16.append((peak, median_step_rate(metrics), peer))
     uri = f"sqlite:///{work / 'mlflow.db'}"
     logged, _ = run_trainer(
         flags(**settings, log_every=1, mlflow_tracking_uri=uri, output_dir=work / "mlflow"), env
@@ -137,6 +153,13 @@ def measure(steps: int = 12, batch: int = 32, rounds: int = 3) -> dict:
         "mfu_rounds": [round(o * 128 * per_token / 1e9 / p, 3) for p, o, _ in rows],
         "peer_mfu": round(median(q * 128 * per_token / 1e9 / p for p, _, q in rows), 3),
         "train_mlflow_every_step_examples_per_s": round(logged["final"]["examples_per_s"], 2),
+        "matmul_peak_gflops_bf16": round(median(p for p, _, _ in bf16), 1),
+        "train_bf16_examples_per_s": round(median(o for _, o, _ in bf16), 2),
+        "train_bf16_peer_examples_per_s": round(median(q for _, _, q in bf16), 2),
+        "train_bf16_vs_torch_ratio": round(median(o / q for _, o, q in bf16), 3),
+        "train_bf16_vs_torch_ratio_rounds": [round(o / q, 3) for _, o, q in bf16],
+        "mfu_bf16": round(median(o * 128 * per_token / 1e9 / p for p, o, _ in bf16), 3),
+        "peer_mfu_bf16": round(median(q * 128 * per_token / 1e9 / p for p, _, q in bf16), 3),
     }
 
 
@@ -154,12 +177,13 @@ def main() -> None:
     p.add_argument("--batch", type=int, default=32)
     p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--torch-peer", metavar="MODEL", help="measure the peer alone (one round)")
+    p.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32")
     args = p.parse_args()
     if args.torch_peer:
         import torch
 
         torch.set_num_threads(os.cpu_count())
-        rate = torch_peer(args.torch_peer, args.batch, args.steps)
+        rate = torch_peer(args.torch_peer, args.batch, args.steps, args.dtype)
         print(json.dumps({"examples_per_s": rate}))
         return
     result = measure(args.steps, args.batch, args.rounds)

@@ -39,11 +39,13 @@ def machine() -> str:
 
 
 def matmul_peak_gflops(n: int = 2048, repeats: int = 10, dtype: str = "float32") -> float:
-    """n×n matmul throughput through XLA in `dtype`, best of `repeats`."""
+    """n×n matmul throughput through XLA with `dtype` operands summed in float32 (as the
+    model's products are, `kubejax.trainer.model.product`), best of `repeats`."""
     import jax
+    import jax.numpy as jnp
 
     a = jax.random.normal(jax.random.key(0), (n, n), dtype)
-    f = jax.jit(lambda x: x @ x)
+    f = jax.jit(lambda x: jnp.matmul(x, x, preferred_element_type=jnp.float32))
     f(a).block_until_ready()
     best = float("inf")
     for _ in range(repeats):

@@ -37,6 +37,8 @@ TARGETS = {
 PEERS = {
     "train_examples_per_s": "train_peer_examples_per_s",
     "mfu": "peer_mfu",
+    "train_bf16_examples_per_s": "train_bf16_peer_examples_per_s",
+    "mfu_bf16": "peer_mfu_bf16",
     "eval_examples_per_s": "eval_peer_examples_per_s",
     "bucketed_examples_per_s": "padded_512_examples_per_s",
     "real_token_fraction": "real_token_fraction_padded_512",

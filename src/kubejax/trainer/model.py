@@ -102,6 +102,17 @@ class BertConfig:
         return [f"LABEL_{i}" for i in range(int(self.extra.get("num_labels", 2)))]
 
 
+def product(a: jax.Array, b: jax.Array) -> jax.Array:
+    """`a @ b` accumulated and returned in float32, whatever the operands' dtype.
+
+    For bfloat16 operands XLA's CPU backend runs a product with a float32 result in YNNPACK's
+    bfloat16 kernels, about twice its float32 speed on a CPU with AVX512-BF16, and one with a
+    bfloat16 result no faster than float32 (bench/NOTES.md, attempt 33); a float32 sum is also
+    what mixed-precision training accumulates in. For float32 operands it is `a @ b`.
+    """
+    return jnp.matmul(a, b, preferred_element_type=jnp.float32)
+
+
 def _transposed_product(a: jax.Array, g: jax.Array) -> jax.Array:
     """`aᵀ·g` over the last two axes (a [..., m, k], g [..., m, n] → [..., k, n]), the weight
     gradient of a product.
@@ -116,27 +127,27 @@ def _transposed_product(a: jax.Array, g: jax.Array) -> jax.Array:
     # Barriers keep each transpose a copy: XLA folds a bare one back into the product.
     barrier = jax.lax.optimization_barrier
     if jax.default_backend() != "cpu":
-        return t(a) @ g
+        return product(t(a), g)
     if a.shape[-1] <= g.shape[-1]:
-        return barrier(t(a)) @ g
-    return t(barrier(barrier(t(g)) @ a))
+        return product(barrier(t(a)), g)
+    return t(barrier(product(barrier(t(g)), a)))
 
 
 @jax.custom_vjp
 def matmul(a: jax.Array, b: jax.Array) -> jax.Array:
     """`a @ b` over the last two axes (batch axes equal), its `b` gradient through
     `_transposed_product`: the attention's products, whose key and value gradients XLA would
-    otherwise compute in its own loops on CPU."""
-    return a @ b
+    otherwise compute in its own loops on CPU. In float32 (`product`), returned in a's dtype."""
+    return product(a, b).astype(a.dtype)
 
 
 def _matmul_fwd(a, b):
-    return a @ b, (a, b)
+    return product(a, b).astype(a.dtype), (a, b)
 
 
 def _matmul_bwd(residuals, g):
     a, b = residuals
-    grad_a = g @ jnp.swapaxes(b, -1, -2).astype(g.dtype)
+    grad_a = product(g, jnp.swapaxes(b, -1, -2).astype(g.dtype))
     return grad_a.astype(a.dtype), _transposed_product(a, g).astype(b.dtype)
 
 
@@ -147,7 +158,7 @@ matmul.defvjp(_matmul_fwd, _matmul_bwd)
 def dense(x: jax.Array, kernel: jax.Array, bias: jax.Array) -> jax.Array:
     """`x @ kernel + bias` over x's last axis, in x's dtype; the kernel's gradient through
     `_transposed_product` over every token."""
-    return x @ kernel.astype(x.dtype) + bias.astype(x.dtype)
+    return (product(x, kernel.astype(x.dtype)) + bias).astype(x.dtype)
 
 
 def _dense_fwd(x, kernel, bias):
@@ -158,8 +169,8 @@ def _dense_bwd(residuals, g):
     x, kernel, bias = residuals
     rows = g.reshape(-1, g.shape[-1])
     grad_kernel = _transposed_product(x.reshape(-1, x.shape[-1]), rows)
-    grad_x = g @ kernel.T.astype(g.dtype)
-    return grad_x, grad_kernel.astype(kernel.dtype), rows.sum(0).astype(bias.dtype)
+    grad_x = product(g, kernel.T.astype(g.dtype)).astype(g.dtype)
+    return grad_x, grad_kernel.astype(kernel.dtype), rows.sum(0, dtype=bias.dtype)
 
 
 dense.defvjp(_dense_fwd, _dense_bwd)
