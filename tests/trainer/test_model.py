@@ -330,7 +330,7 @@ def test_a_bfloat16_model_gives_the_float32_models_logits_and_gradients(minilm_d
         def loss(p, graphdef=graphdef):
             return loss_fn(graphdef, p, batch, None, deterministic=True)
 
-        (value, (_, logits)), grads = jax.value_and_grad(loss, has_aux=True)(params)
+        (value, (_, logits)), grads = jax.jit(jax.value_and_grad(loss, has_aux=True))(params)
         assert logits.dtype == jnp.float32
         found[dtype] = value, logits, jax.tree.leaves(grads)
     (loss32, logits32, grads32), (loss16, logits16, grads16) = found.values()
