@@ -297,8 +297,8 @@ def test_bfloat16_products_sum_in_float32(minilm_dir):
     graphdef, params = nnx.split(model, nnx.Param)
     tx = optax.inject_hyperparams(optax.sgd)(learning_rate=0.1)
     ids, mask = _inputs(30522, batch=8, length=64)
-    batch = {"input_ids": ids[None], "attention_mask": mask[None], "labels": np.zeros((1, 8))}
-    batch["labels"] = batch["labels"].astype(np.int32)
+    labels = np.zeros((1, 8), np.int32)
+    batch = {"input_ids": ids[None], "attention_mask": mask[None], "labels": labels}
     step = make_train_step(graphdef, tx, distributed.data_mesh(), 0)
     text = step.lower(params, tx.init(params), batch, 0, np.float32(0.1)).as_text()
     typed = r"dot_general .*: \(tensor<\S+x(\w+)>, tensor<\S+x(\w+)>\) -> tensor<\S+x(\w+)>"
