@@ -172,32 +172,39 @@ def _every_cpu_process_writes_the_cache() -> None:
     found an entry: on a warm cache it still compiled every program while process 0 waited
     for it at the first all-reduce. A 2-worker MiniLM job of 2 steps on 2 cores, warm cache:
     30-34 s -> 11.4-11.8 s (bench/NOTES.md, attempt 31). No other process of the job writes
-    these keys. (JAX 0.10's private `_cache_write`; test_two_processes_equal_one_process checks
-    that a second job finds every program in the cache on both workers.)
+    these keys. (JAX's private `_cache_write`, whose arguments changed between JAX 0.10 and
+    0.11: they are read by name, and JAX's own is kept where they are not the ones known;
+    test_two_processes_equal_one_process checks that a second job finds every program in the
+    cache on both workers.)
     """
+    import inspect
     import warnings
 
     from jax._src import compilation_cache, compiler
     from jax._src import distributed as jax_distributed
 
     write = compiler._cache_write
-    if getattr(write, "every_cpu_process", False):
+    signature = inspect.signature(write)
+    known = _CACHE_WRITE_ARGS.issubset(signature.parameters)
+    if getattr(write, "every_cpu_process", False) or not known:
         return
 
-    def cache_write(cache_key, compile_time_secs, module_name, backend, executable, callbacks):
+    def cache_write(*args, **kwargs):
+        a = signature.bind(*args, **kwargs).arguments
         process = jax_distributed.global_state.process_id
-        if process == 0 or backend.platform != "cpu":
-            return write(cache_key, compile_time_secs, module_name, backend, executable, callbacks)
-        # What JAX does on process 0.
-        if callbacks or compile_time_secs < jax.config.jax_persistent_cache_min_compile_time_secs:
+        if process == 0 or a["backend"].platform != "cpu":
+            return write(*args, **kwargs)
+        # What JAX does on process 0 (JAX 0.10 also skips programs with host callbacks).
+        seconds = a["compile_time_secs"]
+        if a.get("callbacks") or seconds < jax.config.jax_persistent_cache_min_compile_time_secs:
             return None
         try:
             compilation_cache.put_executable_and_time(
-                cache_key, module_name, executable, backend, int(compile_time_secs)
+                a["cache_key"], a["module_name"], a["executable"], a["backend"], int(seconds)
             )
         except Exception as ex:  # as JAX's own write: a cache that fails is only slower
             warnings.warn(
-                f"Error writing persistent compilation cache entry for {module_name!r}: "
+                f"Error writing persistent compilation cache entry for {a['module_name']!r}: "
                 f"{type(ex).__name__}: {ex}",
                 stacklevel=2,
             )
@@ -205,6 +212,10 @@ def _every_cpu_process_writes_the_cache() -> None:
 
     cache_write.every_cpu_process = True
     compiler._cache_write = cache_write
+
+
+#: The arguments of JAX's `_cache_write` that `_every_cpu_process_writes_the_cache` reads.
+_CACHE_WRITE_ARGS = {"cache_key", "compile_time_secs", "module_name", "backend", "executable"}
 
 
 #: XLA options of the evaluation step. On CPU, XLA hands its YNNPACK library the matrix

@@ -1,0 +1,71 @@
+"""The persistent-cache hook of the trainer's steps across JAX's `_cache_write` signatures."""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import jax
+import pytest
+from jax._src import compilation_cache, compiler
+from jax._src import distributed as jax_distributed
+
+from kubejax.trainer import steps
+
+
+def _jax_0_10(cache_key, compile_time_secs, module_name, backend, executable, callbacks):
+    return ("jax", cache_key)
+
+
+def _jax_0_11(cache_key: str, compile_time_secs: float, module_name: str, backend, executable):
+    return ("jax", cache_key)
+
+
+def _unknown(key, seconds, backend):
+    return ("jax", key)
+
+
+@pytest.fixture
+def hooked(monkeypatch):
+    """Install the hook over a stand-in `_cache_write`; record what it puts in the cache."""
+    threshold = "jax_persistent_cache_min_compile_time_secs"
+    before = getattr(jax.config, threshold)
+    jax.config.update(threshold, 1.0)
+    puts = []
+    monkeypatch.setattr(
+        compilation_cache, "put_executable_and_time", lambda *a: puts.append(a), raising=True
+    )
+
+    def install(original, process_id):
+        monkeypatch.setattr(compiler, "_cache_write", original)
+        monkeypatch.setattr(jax_distributed.global_state, "process_id", process_id)
+        steps._every_cpu_process_writes_the_cache()
+        return compiler._cache_write, puts
+
+    yield install
+    jax.config.update(threshold, before)
+
+
+@pytest.mark.parametrize("original", [_jax_0_10, _jax_0_11], ids=["jax-0.10", "jax-0.11"])
+def test_a_second_cpu_process_writes_its_programs_under_either_jax_signature(hooked, original):
+    write, puts = hooked(original, process_id=1)
+    cpu, gpu = SimpleNamespace(platform="cpu"), SimpleNamespace(platform="gpu")
+    extra = {"callbacks": []} if original is _jax_0_10 else {}
+    assert write("k1", 2.5, "jit_step", cpu, "exe", **extra) is None
+    assert puts == [("k1", "jit_step", "exe", cpu, 2)]
+    # Under the persistent cache's threshold (1 s here), nothing is written.
+    assert write("k0", 0.5, "jit_small", cpu, "exe", **extra) is None
+    assert len(puts) == 1
+    # Other backends keep JAX's own write, whatever the process.
+    assert write("k2", 2.5, "jit_step", gpu, "exe", **extra) == ("jax", "k2")
+    assert len(puts) == 1
+
+
+def test_process_0_keeps_jax_s_own_write(hooked):
+    write, puts = hooked(_jax_0_11, process_id=0)
+    assert write("k", 1.0, "m", SimpleNamespace(platform="cpu"), "exe") == ("jax", "k")
+    assert puts == []
+
+
+def test_a_jax_whose_cache_write_takes_other_arguments_is_left_alone(hooked):
+    write, _ = hooked(_unknown, process_id=1)
+    assert write is _unknown
