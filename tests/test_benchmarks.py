@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -14,14 +15,32 @@ ROOT = Path(__file__).parents[1]
 BENCH_GPU = ROOT / "benchmarks" / "bench_gpu.py"
 
 
-def test_the_gpu_benchmark_smoke_run_measures_both_sides_on_cpu(tmp_path):
+def test_the_gpu_benchmark_smoke_run_measures_both_sides_on_cpu(tmp_path, minilm_dir):
+    # In two stages, as on a GPU node without the preparation's packages: the datasets prepared
+    # first (--prepare-only), then measured from --work with a bare tokenizer folder.
+    tokenizer, work = tmp_path / "tokenizer", tmp_path / "work"
+    tokenizer.mkdir()
+    for name in ("vocab.txt", "tokenizer.json", "tokenizer_config.json", "special_tokens_map.json"):
+        shutil.copy(minilm_dir / name, tokenizer / name)
+    given = ["--smoke", "--work", str(work), "--tokenizer", str(tokenizer)]
+    run = subprocess.run(
+        [sys.executable, str(BENCH_GPU), *given, "--prepare-only"],
+        capture_output=True, text=True, timeout=300,
+    )  # fmt: skip
+    assert run.returncode == 0, run.stderr[-3000:]
+    datasets = [work / "data-128", work / "data-512"]
+    assert run.stdout.split() == [str(d) for d in datasets]
+    written = {d: (d / "metadata.json").stat().st_mtime_ns for d in datasets}
+    assert not (tmp_path / "gpu-results.json").exists()
     scratch = tmp_path / "scratch"  # the benchmark's own temporary folders go here
     scratch.mkdir()
     run = subprocess.run(
-        [sys.executable, str(BENCH_GPU), "--smoke", "--steps", "2", "--out", str(tmp_path)],
+        [sys.executable, str(BENCH_GPU), *given, "--steps", "2", "--out", str(tmp_path)],
         capture_output=True, text=True, timeout=600, env={**os.environ, "TMPDIR": str(scratch)},
     )  # fmt: skip
     assert run.returncode == 0, run.stderr[-3000:]
+    # The prepared datasets were used as they were.
+    assert {d: (d / "metadata.json").stat().st_mtime_ns for d in datasets} == written
     # Its datasets, checkpoints and caches are gone (a full `make bench` writes several GB);
     # torch's own cache folder may stay.
     assert not [p.name for p in scratch.iterdir() if p.name.startswith("kubejax")]
@@ -49,6 +68,16 @@ def test_the_gpu_benchmark_without_a_gpu_says_so_and_writes_nothing(tmp_path):
     )  # fmt: skip
     assert run.returncode != 0
     assert "needs an NVIDIA GPU, and JAX found cpu only" in run.stderr
+    assert not list(tmp_path.iterdir())
+
+
+def test_the_gpu_benchmark_prepares_only_into_a_folder_it_is_given(tmp_path):
+    run = subprocess.run(
+        [sys.executable, str(BENCH_GPU), "--prepare-only", "--tokenizer", str(tmp_path)],
+        capture_output=True, text=True, timeout=300,
+    )  # fmt: skip
+    assert run.returncode == 2
+    assert "--prepare-only: needs --work" in run.stderr
     assert not list(tmp_path.iterdir())
 
 

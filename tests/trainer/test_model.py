@@ -310,6 +310,34 @@ def test_bfloat16_products_sum_in_float32(minilm_dir):
     assert len(dots) - dots.count(("bf16", "bf16", "f32")) <= 12, sorted(set(dots))
 
 
+def test_off_cpu_bfloat16_products_return_bfloat16(monkeypatch):
+    # A GPU's matrix units sum bfloat16 in float32 whatever the result's dtype; a float32 result
+    # there only adds memory traffic and a cast back (model.product; bench/NOTES.md, attempt 35).
+    import jax
+    import jax.numpy as jnp
+
+    from kubejax.trainer.model import dense, matmul
+
+    def dots() -> list[tuple[str, str, str]]:
+        """The operand and result types of the products of a dense layer and an attention
+        product, forward and backward (traced afresh: JAX caches traces)."""
+
+        def loss(x, kernel, bias, other):
+            return matmul(dense(x, kernel, bias)[None], other).astype(jnp.float32).sum()
+
+        x, other = jnp.ones((4, 8), jnp.bfloat16), jnp.ones((1, 3, 2), jnp.bfloat16)
+        kernel, bias = jnp.ones((8, 3)), jnp.zeros(3)
+        lowered = jax.jit(jax.grad(loss, argnums=(0, 1, 2, 3))).lower(x, kernel, bias, other)
+        typed = r"dot_general .*: \(tensor<\S+x(\w+)>, tensor<\S+x(\w+)>\) -> tensor<\S+x(\w+)>"
+        return re.findall(typed, lowered.as_text())
+
+    on_cpu = dots()
+    assert on_cpu and set(on_cpu) == {("bf16", "bf16", "f32")}, on_cpu
+    monkeypatch.setattr(jax, "default_backend", lambda: "gpu")
+    off_cpu = dots()
+    assert len(off_cpu) == len(on_cpu) and set(off_cpu) == {("bf16", "bf16", "bf16")}, off_cpu
+
+
 def test_a_bfloat16_model_gives_the_float32_models_logits_and_gradients(minilm_dir):
     # The compute dtype of the compiled pipeline's training (parameters stay float32): the same
     # loss, logits and gradients as float32 up to bfloat16's 8 bits of precision.
@@ -460,3 +488,98 @@ def test_dropout_zeroes_the_rate_and_keeps_the_mean():
     assert abs(y.mean() - 1.0) < 0.003
     assert np.allclose(y[y != 0], 1 / (1 - 6554 / 65536))
     assert np.array_equal(np.asarray(Dropout(0.1)(x, deterministic=True, rngs=None)), x)
+
+
+def test_off_cpu_dropout_bits_are_the_cpu_bits(monkeypatch):
+    # Off CPU each element hashes its own half-word (so XLA can fuse the mask): the same bits.
+    import jax
+
+    from kubejax.trainer.model import dropout_bits
+
+    shapes = [(7,), (3, 5, 9), (2, 4, 64, 64)]
+    on_cpu = [np.asarray(dropout_bits(jax.random.key(5), s)) for s in shapes]
+    monkeypatch.setattr(jax, "default_backend", lambda: "gpu")
+    for shape, expected in zip(shapes, on_cpu, strict=True):
+        assert np.array_equal(np.asarray(dropout_bits(jax.random.key(5), shape)), expected)
+
+
+def test_softmax_dropout_equals_softmax_then_dropout_and_its_gradient():
+    # The fused attention probabilities (used off CPU) against JAX's softmax and `Dropout`
+    # under the same key, values and gradient, in float32 and in bfloat16.
+    import jax
+    import jax.numpy as jnp
+
+    from kubejax.trainer.model import Dropout, softmax_dropout
+
+    rng = np.random.default_rng(0)
+    scores = rng.normal(0, 3, (2, 3, 16, 24)).astype(np.float32)
+    bias = np.zeros((2, 1, 1, 24), np.float32)
+    bias[1, ..., 17:] = np.finfo(np.float32).min  # padded keys
+    g = rng.normal(0, 1, scores.shape).astype(np.float32)
+    key = jax.random.key(11)
+
+    def reference(s):
+        probs = jax.nn.softmax(s.astype(jnp.float32) + bias, axis=-1)
+        rngs = nnx.Rngs(dropout=0)
+        rngs.dropout = lambda: key
+        return Dropout(0.1)(probs, deterministic=False, rngs=rngs)
+
+    def ours(s):
+        return softmax_dropout(s, bias, key, 0.1).astype(jnp.float32)
+
+    for dtype, tolerance in ((jnp.float32, 1e-6), (jnp.bfloat16, 1e-2)):
+        s = jnp.asarray(scores, dtype)
+        expected, expected_vjp = jax.vjp(reference, s.astype(jnp.float32))
+        found, found_vjp = jax.vjp(ours, s)
+        assert found.dtype == jnp.float32
+        assert (np.asarray(found) == 0).sum() == (np.asarray(expected) == 0).sum()
+        assert_close_to_scale(np.asarray(found), np.asarray(expected), tolerance, str(dtype))
+        (grad,) = found_vjp(jnp.asarray(g))
+        (expected_grad,) = expected_vjp(jnp.asarray(g))
+        assert grad.dtype == dtype
+        assert_close_to_scale(
+            np.asarray(grad, np.float32), np.asarray(expected_grad), tolerance * 2, str(dtype)
+        )
+
+
+def test_off_cpu_training_gives_the_cpu_forms_loss_and_gradients(monkeypatch):
+    # Off CPU the attention's probabilities come from `softmax_dropout`, the products return
+    # the operands' dtype and the dropout bits are elementwise: with the same dropout masks,
+    # the float32 train loss and gradients of the CPU form.
+    import jax
+
+    from kubejax.trainer import model as ours
+    from kubejax.trainer.steps import loss_fn
+
+    model = _tiny_classifier(dropout=0.1)
+    graphdef, params = nnx.split(model, nnx.Param)
+    ids, mask = _inputs(100, batch=4, length=24)
+    batch = {"input_ids": ids, "attention_mask": mask, "labels": np.array([0, 1, 2, 3])}
+    calls = []
+    fused = ours.softmax_dropout
+
+    def counted(*args):
+        calls.append(args[0].shape)
+        return fused(*args)
+
+    def loss_and_grads():
+        """Traced afresh (JAX caches traces), jitted."""
+        grad_fn = jax.value_and_grad(loss_fn, argnums=1, has_aux=True)
+        step = jax.jit(lambda p, key: grad_fn(graphdef, p, batch, key, False))
+        (loss, _), grads = step(params, jax.random.key(2))
+        return float(loss), grads
+
+    cpu_loss, cpu_grads = loss_and_grads()
+    monkeypatch.setattr(jax, "default_backend", lambda: "gpu")
+    monkeypatch.setattr(ours, "softmax_dropout", counted)
+    gpu_loss, gpu_grads = loss_and_grads()
+    assert calls == [(4, 2, 24, 24), (4, 2, 1, 24)]  # the last layer: [CLS] alone
+    assert abs(gpu_loss - cpu_loss) <= 1e-6 * abs(cpu_loss)
+    expected = weights.export_tensors(nnx.merge(graphdef, cpu_grads))
+    found = weights.export_tensors(nnx.merge(graphdef, gpu_grads))
+    assert found.keys() == expected.keys() and len(found) > 30
+    for name, grad in found.items():
+        if name.endswith(ZERO_GRADIENT_BY_SYMMETRY):  # rounding noise on both sides
+            assert np.abs(grad).max() < 1e-9 and np.abs(expected[name]).max() < 1e-9, name
+            continue
+        assert_close_to_scale(grad, expected[name], 1e-5, name)

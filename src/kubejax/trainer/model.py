@@ -103,13 +103,18 @@ class BertConfig:
 
 
 def product(a: jax.Array, b: jax.Array) -> jax.Array:
-    """`a @ b` accumulated and returned in float32, whatever the operands' dtype.
+    """`a @ b` summed in float32: on CPU returned in float32, elsewhere in the operands' dtype.
 
     For bfloat16 operands XLA's CPU backend runs a product with a float32 result in YNNPACK's
     bfloat16 kernels, about twice its float32 speed on a CPU with AVX512-BF16, and one with a
     bfloat16 result no faster than float32 (bench/NOTES.md, attempt 33); a float32 sum is also
-    what mixed-precision training accumulates in. For float32 operands it is `a @ b`.
+    what mixed-precision training accumulates in. A GPU's matrix units sum bfloat16 in float32
+    whatever the result's dtype, and there a float32 result only adds its memory traffic and a
+    cast back: a bert-base step on an H200 took 4 % longer with it (attempt 35). For float32
+    operands it is `a @ b`.
     """
+    if jax.default_backend() != "cpu":
+        return jnp.matmul(a, b)
     return jnp.matmul(a, b, preferred_element_type=jnp.float32)
 
 
@@ -137,7 +142,8 @@ def _transposed_product(a: jax.Array, g: jax.Array) -> jax.Array:
 def matmul(a: jax.Array, b: jax.Array) -> jax.Array:
     """`a @ b` over the last two axes (batch axes equal), its `b` gradient through
     `_transposed_product`: the attention's products, whose key and value gradients XLA would
-    otherwise compute in its own loops on CPU. In float32 (`product`), returned in a's dtype."""
+    otherwise compute in its own loops on CPU. Summed in float32 (`product`), returned in a's
+    dtype."""
     return product(a, b).astype(a.dtype)
 
 
@@ -229,8 +235,55 @@ def dropout_bits(key: jax.Array, shape: tuple[int, ...]) -> jax.Array:
     """
     n = math.prod(shape)
     seed = jax.random.bits(key, (), jnp.uint32)
+    if jax.default_backend() != "cpu" and n < 2**32:
+        # The same bits, each element hashing its own half-word: elementwise, so that on a GPU
+        # XLA fuses the mask into the dropout that reads it instead of writing the bits out.
+        i = jax.lax.iota(jnp.uint32, n).reshape(shape)
+        words = _mix32(_mix32(i >> 1) ^ seed)
+        return (words >> ((i & 1) << 4)).astype(jnp.uint16)
     words = _mix32(_mix32(jax.lax.iota(jnp.uint32, (n + 1) // 2)) ^ seed)
     return jax.lax.bitcast_convert_type(words, jnp.uint16).reshape(-1)[:n].reshape(shape)
+
+
+def _keep(key: jax.Array, shape: tuple[int, ...], rate: float) -> tuple[jax.Array, float]:
+    """`Dropout`'s mask for `key` (True: kept) and the scale of the kept elements."""
+    threshold = min(round(rate * 65536), 65535)
+    return dropout_bits(key, shape) >= threshold, 65536 / (65536 - threshold)
+
+
+@partial(jax.custom_vjp, nondiff_argnums=(3,))
+def softmax_dropout(scores: jax.Array, bias: jax.Array, key: jax.Array, rate: float) -> jax.Array:
+    """`Dropout(rate)` (the mask of `key`) of softmax(scores + bias) over the last axis, computed
+    in float32 and returned in the scores' dtype.
+
+    JAX's own softmax keeps its float32 output for the backward pass: for bert-base's attention
+    at sequence 512 on an H200, a float32 tensor four times the hidden states' size per layer
+    written, cast and read again (attempt 36). This keeps only each row's max and sum and
+    recomputes the probabilities and the mask in the backward pass, elementwise work that XLA's
+    GPU backend fuses into the passes that read the scores anyway.
+    """
+    return _softmax_dropout_fwd(scores, bias, key, rate)[0]
+
+
+def _softmax_dropout_fwd(scores, bias, key, rate):
+    s = scores.astype(jnp.float32) + bias
+    top = s.max(-1, keepdims=True)
+    total = jnp.exp(s - top).sum(-1, keepdims=True)
+    keep, scale = _keep(key, scores.shape, rate)
+    probs = jnp.exp(s - top) * (scale / total)
+    return jnp.where(keep, probs, 0.0).astype(scores.dtype), (scores, bias, key, top, total)
+
+
+def _softmax_dropout_bwd(rate, residuals, g):
+    scores, bias, key, top, total = residuals
+    probs = jnp.exp(scores.astype(jnp.float32) + bias - top) / total
+    keep, scale = _keep(key, scores.shape, rate)
+    g_probs = jnp.where(keep, g.astype(jnp.float32) * scale, 0.0)
+    grad = probs * (g_probs - (g_probs * probs).sum(-1, keepdims=True))
+    return grad.astype(scores.dtype), None, None
+
+
+softmax_dropout.defvjp(_softmax_dropout_fwd, _softmax_dropout_bwd)
 
 
 class Dropout(nnx.Module):
@@ -243,9 +296,8 @@ class Dropout(nnx.Module):
     def __call__(self, x, *, deterministic: bool, rngs) -> jax.Array:
         if deterministic or self.rate == 0.0:
             return x
-        threshold = min(round(self.rate * 65536), 65535)
-        keep = dropout_bits(rngs.dropout(), x.shape) >= threshold
-        return jnp.where(keep, x * (65536 / (65536 - threshold)), jnp.zeros((), x.dtype))
+        keep, scale = _keep(rngs.dropout(), x.shape, self.rate)
+        return jnp.where(keep, x * scale, jnp.zeros((), x.dtype))
 
 
 class Embeddings(nnx.Module):
@@ -309,7 +361,11 @@ class Layer(nnx.Module):
         return self.out_norm(x + ff)
 
     def _probs(self, scores, bias, *, deterministic: bool, rngs) -> jax.Array:
-        # Softmax in float32 keeps bfloat16 runs stable.
+        rate = self.attn_dropout.rate
+        if not deterministic and rate > 0.0 and jax.default_backend() != "cpu":
+            return softmax_dropout(scores, bias, rngs.dropout(), rate)
+        # Softmax in float32 keeps bfloat16 runs stable. (On CPU `softmax_dropout` is not used:
+        # the train steps measured there, in bench/NOTES.md, run this form.)
         probs = jax.nn.softmax(scores.astype(jnp.float32) + bias, axis=-1).astype(scores.dtype)
         return self.attn_dropout(probs, deterministic=deterministic, rngs=rngs)
 
