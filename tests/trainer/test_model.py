@@ -186,6 +186,7 @@ def test_config_fields_of_the_wrong_type_or_range_are_named(tmp_path):
         ({"attention_probs_dropout_prob": 1.0}, "attention_probs_dropout_prob: must be in [0, 1)"),
         ({"classifier_dropout": 1.5}, "classifier_dropout: must be in [0, 1), got 1.5"),
         ({"hidden_size": 30, "num_attention_heads": 4}, "not a multiple of num_attention_heads"),
+        ({"hidden_act": "swish"}, "hidden_act: 'swish' is not supported (gelu, gelu_new, "),
     ]:
         (tmp_path / "config.json").write_text(json.dumps(values))
         with pytest.raises(ValueError, match=re.escape(message)):

@@ -578,3 +578,34 @@ def test_a_damaged_model_folder_is_refused_naming_it(tmp_path, capsys, tiny_mode
     (model / "config.json").write_text(json.dumps({**config, "hidden_size": "wide"}))
     assert trainer_main(tiny_args(model, prepared, tmp_path / "out2")) == 2
     assert "model:" in capsys.readouterr().err
+    (model / "config.json").write_text(json.dumps({**config, "hidden_act": "swish"}))
+    assert trainer_main(tiny_args(model, prepared, tmp_path / "out3")) == 2
+    assert "hidden_act: 'swish' is not supported (gelu, " in capsys.readouterr().err
+    # A checkpoint without one of the model's tensors.
+    from safetensors.numpy import save_file
+
+    (model / "config.json").write_text(json.dumps(config))
+    tensors = load_file(weights_file)
+    name = next(k for k in tensors if k.endswith("word_embeddings.weight"))
+    save_file({k: v for k, v in tensors.items() if k != name}, weights_file)
+    assert trainer_main(tiny_args(model, prepared, tmp_path / "out4")) == 2
+    err = capsys.readouterr().err
+    assert f"model: {model} is not a usable BERT checkpoint" in err and "word_embeddings" in err
+    assert not any((tmp_path / f"out{i}" / "model").exists() for i in ("", 2, 3, 4))
+
+
+def test_an_error_building_a_model_is_not_called_a_bad_checkpoint(
+    tmp_path, monkeypatch, minilm_dir, prepared
+):
+    # A model built from scratch has no checkpoint to blame: an error there is the program's
+    # (as JAX 0.11's changed cache-write arguments once were) and is raised as it is.
+    from kubejax.trainer import train
+
+    def broken(*args, **kwargs):
+        raise TypeError("an internal error")
+
+    monkeypatch.setattr(train, "BertClassifier", broken)
+    scratch = {"hidden_size": 32, "num_hidden_layers": 1, "num_attention_heads": 2}
+    flags = {"model": "scratch", "scratch_config": json.dumps(scratch), "tokenizer": minilm_dir}
+    with pytest.raises(TypeError, match="an internal error"):
+        trainer_main(tiny_args(minilm_dir, prepared, tmp_path / "out", **flags))

@@ -19,6 +19,8 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+#: The hidden activations `_activation` computes (BertConfig's `hidden_act`).
+ACTIVATIONS = ("gelu", "gelu_new", "gelu_pytorch_tanh", "relu")
 #: BertConfig's dropout probabilities.
 DROPOUT_FIELDS = ("hidden_dropout_prob", "attention_probs_dropout_prob", "classifier_dropout")
 
@@ -68,6 +70,10 @@ class BertConfig:
             # A rate of 1 or more would scale kept elements by 1/(1 - rate): inf or negative.
             if name in DROPOUT_FIELDS and value is not None and not value < 1:
                 raise ValueError(f"{name}: must be in [0, 1), got {value!r}")
+        if cfg.hidden_act not in ACTIVATIONS:
+            raise ValueError(
+                f"hidden_act: {cfg.hidden_act!r} is not supported ({', '.join(ACTIVATIONS)})"
+            )
         if cfg.hidden_size % cfg.num_attention_heads:
             raise ValueError(
                 f"hidden_size: {cfg.hidden_size} is not a multiple of num_attention_heads "
@@ -213,7 +219,7 @@ def _activation(name: str):
         return lambda x: jax.nn.gelu(x, approximate=True)
     if name == "relu":
         return jax.nn.relu
-    raise ValueError(f"hidden_act: {name!r} is not supported (gelu, gelu_new, relu)")
+    raise ValueError(f"hidden_act: {name!r} is not supported ({', '.join(ACTIVATIONS)})")
 
 
 def _mix32(x: jax.Array) -> jax.Array:
@@ -254,13 +260,13 @@ def _keep(key: jax.Array, shape: tuple[int, ...], rate: float) -> tuple[jax.Arra
 @partial(jax.custom_vjp, nondiff_argnums=(3,))
 def softmax_dropout(scores: jax.Array, bias: jax.Array, key: jax.Array, rate: float) -> jax.Array:
     """`Dropout(rate)` (the mask of `key`) of softmax(scores + bias) over the last axis, computed
-    in float32 and returned in the scores' dtype.
+    in float32 and returned in the scores' dtype; `bias` (the attention mask's) gets no gradient.
 
     JAX's own softmax keeps its float32 output for the backward pass: for bert-base's attention
-    at sequence 512 on an H200, a float32 tensor four times the hidden states' size per layer
-    written, cast and read again (attempt 36). This keeps only each row's max and sum and
-    recomputes the probabilities and the mask in the backward pass, elementwise work that XLA's
-    GPU backend fuses into the passes that read the scores anyway.
+    at sequence 512, batch 64, a float32 [64, 12, 512, 512] tensor a layer (0.8 GB) written,
+    cast and read again, on an H200 (bench/NOTES.md, attempt 36). This keeps each row's max and
+    sum only and recomputes the probabilities and the mask in the backward pass, elementwise
+    work that XLA's GPU backend fuses into the passes that read the scores anyway.
     """
     return _softmax_dropout_fwd(scores, bias, key, rate)[0]
 

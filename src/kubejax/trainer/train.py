@@ -53,10 +53,7 @@ class DivergedError(KubejaxError, RuntimeError):
 def build_model(cfg: TrainConfig, data: TrainData) -> tuple[BertClassifier, Path | None, list]:
     """The classifier with pretrained weights (or fresh for 'scratch'), its tokenizer folder and
     the parts initialised fresh; refused when the data's rows are longer than its positions."""
-    try:
-        model, tokenizer_dir, fresh = _build_model(cfg, data.num_labels)
-    except (TypeError, ValueError) as err:  # a config.json or weights of the wrong shape or type
-        raise ConfigError(f"model: {cfg.model} is not a usable BERT checkpoint ({err})") from err
+    model, tokenizer_dir, fresh = _build_model(cfg, data.num_labels)
     positions = model.config.max_position_embeddings
     longest = int(max(data.train.lengths.max(), data.val.lengths.max(initial=0)))
     padded = dataset.bucket_length(longest, cfg.bucket_multiple, cfg.max_length)
@@ -96,7 +93,13 @@ def _build_model(cfg: TrainConfig, num_labels: int):
             ["all"],
         )
     else:
-        model, fresh = weights.from_pretrained(model_cfg, num_labels, tensors, dtype, cfg.seed)
+        # Only the checkpoint's errors are named as such: a tensor missing, or of the wrong
+        # shape or type. (An error of JAX's was once reported as a bad checkpoint.)
+        try:
+            model, fresh = weights.from_pretrained(model_cfg, num_labels, tensors, dtype, cfg.seed)
+        except (KeyError, TypeError, ValueError) as err:
+            unusable = f"model: {cfg.model} is not a usable BERT checkpoint"
+            raise ConfigError(f"{unusable} ({err})") from err
     tokenizer_dir = Path(cfg.tokenizer) if cfg.tokenizer else model_dir
     if tokenizer_dir is not None and not tokenizer_dir.is_dir():
         tokenizer_dir = weights.resolve_model_dir(str(tokenizer_dir))
