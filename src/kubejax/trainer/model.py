@@ -274,9 +274,10 @@ def softmax_dropout(scores: jax.Array, bias: jax.Array, key: jax.Array, rate: fl
 def _softmax_dropout_fwd(scores, bias, key, rate):
     s = scores.astype(jnp.float32) + bias
     top = s.max(-1, keepdims=True)
-    total = jnp.exp(s - top).sum(-1, keepdims=True)
+    exp = jnp.exp(s - top)
+    total = exp.sum(-1, keepdims=True)
     keep, scale = _keep(key, scores.shape, rate)
-    probs = jnp.exp(s - top) * (scale / total)
+    probs = exp * (scale / total)
     return jnp.where(keep, probs, 0.0).astype(scores.dtype), (scores, bias, key, top, total)
 
 
