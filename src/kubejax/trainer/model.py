@@ -135,13 +135,37 @@ def _transposed_product(a: jax.Array, g: jax.Array) -> jax.Array:
     other backends' libraries take transposed operands.
     """
     t = partial(jnp.swapaxes, axis1=-1, axis2=-2)
-    # Barriers keep each transpose a copy: XLA folds a bare one back into the product.
-    barrier = jax.lax.optimization_barrier
     if jax.default_backend() != "cpu":
         return product(t(a), g)
     if a.shape[-1] <= g.shape[-1]:
-        return product(barrier(t(a)), g)
-    return t(barrier(product(barrier(t(g)), a)))
+        return product(_transposed_copy(a), g)
+    return t(jax.lax.optimization_barrier(product(_transposed_copy(g), a)))
+
+
+def _transposed_copy(x: jax.Array) -> jax.Array:
+    """x with its last two axes swapped, written out in that order (`_in_memory`)."""
+    return _in_memory(jnp.swapaxes(x, -1, -2))
+
+
+def _operand(x: jax.Array) -> jax.Array:
+    """x as an attention product's operand: in float32 as it is, where YNNPACK reads a
+    transposed view faster than XLA writes it out; otherwise written out (`_in_memory`), where
+    XLA's CPU backend converted a bfloat16 product reading such a view to float32 (attempt
+    37)."""
+    return x if x.dtype == jnp.float32 else _in_memory(x)
+
+
+def _in_memory(x: jax.Array) -> jax.Array:
+    """x written out in its own axis order, for a product on CPU to read (elsewhere x itself).
+
+    XLA folds a bare transpose back into the product that reads it, and a transpose behind an
+    optimization barrier keeps the operand's own layout: XLA's CPU backend then ran a bfloat16
+    product in float32, after converting both operands, at half YNNPACK's bfloat16 speed
+    (bench/NOTES.md, attempt 37). Flattened behind the barrier, a transpose is a copy.
+    """
+    if jax.default_backend() != "cpu":
+        return x
+    return jax.lax.optimization_barrier(x.reshape(-1)).reshape(x.shape)
 
 
 @jax.custom_vjp
@@ -159,7 +183,8 @@ def _matmul_fwd(a, b):
 
 def _matmul_bwd(residuals, g):
     a, b = residuals
-    grad_a = product(g, jnp.swapaxes(b, -1, -2).astype(g.dtype))
+    g = _operand(g)
+    grad_a = product(g, _operand(jnp.swapaxes(b, -1, -2).astype(g.dtype)))
     return grad_a.astype(a.dtype), _transposed_product(a, g).astype(b.dtype)
 
 
@@ -385,9 +410,10 @@ class Layer(nnx.Module):
         # layout XLA's CPU backend computed the probability-value product transposed, more
         # slowly, and copied it back (bench/NOTES.md, attempt 16).
         q, k, v = (
-            t.reshape(b, t.shape[1], heads, h // heads).transpose(0, 2, 1, 3) for t in (q, k, v)
+            _operand(t.reshape(b, t.shape[1], heads, h // heads).transpose(0, 2, 1, 3))
+            for t in (q, k, v)
         )
-        scores = matmul(q, k.swapaxes(-1, -2))
+        scores = matmul(q, _operand(k.swapaxes(-1, -2)))
         probs = self._probs(scores, bias, deterministic=deterministic, rngs=rngs)
         return matmul(probs, v).transpose(0, 2, 1, 3).reshape(b, nq, h)
 
