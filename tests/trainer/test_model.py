@@ -334,6 +334,28 @@ def test_bfloat16_products_sum_in_float32(minilm_dir):
     assert not upcast, f"{len(upcast)} of {len(large)} products in float32: {upcast[:5]}"
 
 
+def test_a_bfloat16_model_casts_the_embedding_rows_it_takes_not_the_tables(minilm_dir):
+    # nnx.Embed casts its whole table to the compute dtype: a 30,522 x 384 convert every
+    # bfloat16 step, and the gradient scattered into a zeroed table of its own for every piece
+    # of a batch (model._rows; bench/NOTES.md, attempt 38).
+    import jax
+    import jax.numpy as jnp
+
+    cfg = weights.load_config(minilm_dir)
+    model = BertClassifier(cfg, 5, jnp.bfloat16, rngs=nnx.Rngs(0))
+    graphdef, params = nnx.split(model, nnx.Param)
+    ids, mask = _inputs(cfg.vocab_size, batch=3, length=32)
+
+    def loss(params):
+        return nnx.merge(graphdef, params)(ids, mask).sum()
+
+    text = str(jax.make_jaxpr(jax.grad(loss))(params))
+    tables = [(cfg.vocab_size, cfg.hidden_size), (cfg.max_position_embeddings, cfg.hidden_size)]
+    for rows, width in tables:
+        assert f"[{rows},{width}] = convert_element_type" not in text, (rows, width)
+    assert f"bf16[3,32,{cfg.hidden_size}] = convert_element_type" in text
+
+
 def test_off_cpu_bfloat16_products_return_bfloat16(monkeypatch):
     # A GPU's matrix units sum bfloat16 in float32 whatever the result's dtype; a float32 result
     # there only adds memory traffic and a cast back (model.product; bench/NOTES.md, attempt 35).

@@ -348,11 +348,22 @@ class Embeddings(nnx.Module):
         length = input_ids.shape[1]
         # Single-segment classification: token type 0 everywhere.
         x = (
-            self.word(input_ids)
-            + self.position(jnp.arange(length))[None]
-            + self.token_type(jnp.zeros((1, 1), jnp.int32))
+            _rows(self.word, input_ids)
+            + _rows(self.position, jnp.arange(length))[None]
+            + _rows(self.token_type, jnp.zeros((1, 1), jnp.int32))
         )
         return self.dropout(self.norm(x), deterministic=deterministic, rngs=rngs)
+
+
+def _rows(embed: nnx.Embed, ids: jax.Array) -> jax.Array:
+    """`embed(ids)`, the rows taken from the float32 table and then cast to the compute dtype.
+
+    nnx.Embed casts the whole table first: in a bfloat16 MiniLM train step a convert of the
+    30,522 × 384 word table every step, and a gradient scattered into a zeroed table of its
+    own for every piece of the batch rather than into the summed gradient (bench/NOTES.md,
+    attempt 38). The values are the same: the cast is elementwise.
+    """
+    return jnp.take(embed.embedding[...], ids, axis=0).astype(embed.dtype)
 
 
 class Layer(nnx.Module):
