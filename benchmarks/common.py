@@ -55,6 +55,29 @@ def matmul_peak_gflops(n: int = 2048, repeats: int = 10, dtype: str = "float32")
     return 2 * n**3 / best / 1e9
 
 
+def torch_matmul_gflops(n: int = 2048, repeats: int = 10, dtype: str = "float32") -> float:
+    """n×n matmul throughput through torch on CPU (oneDNN) in `dtype`, best of `repeats`."""
+    import torch
+
+    torch.set_num_threads(os.cpu_count())
+    a = torch.randn(n, n, dtype=getattr(torch, dtype))
+    torch.mm(a, a)
+    best = float("inf")
+    for _ in range(repeats):
+        t = time.perf_counter()
+        torch.mm(a, a)
+        best = min(best, time.perf_counter() - t)
+    return 2 * n**3 / best / 1e9
+
+
+def cpu_peak_gflops(dtype: str = "float32", n: int = 2048, repeats: int = 20) -> float:
+    """The machine's matmul peak in `dtype`: the faster of XLA's (`matmul_peak_gflops`) and
+    torch's n×n product. XLA's bfloat16 product, measured before each bfloat16 round of a run,
+    gave a median of 263 GFLOP/s there, below what the trainer's step ran at (MFU 1.2;
+    bench/NOTES.md, attempt 39); alone it read 375-387 on the Zen 4 CPU, torch's 421-434."""
+    return max(matmul_peak_gflops(n, repeats, dtype), torch_matmul_gflops(n, repeats, dtype))
+
+
 def model_flops_per_token(hidden: int, layers: int, intermediate: int, seq: int) -> float:
     """Training FLOPs per token by the standard count, the same for every side: 6·N (N the
     non-embedding weights) + 12·L·H·T for attention."""
