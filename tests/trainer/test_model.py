@@ -31,6 +31,15 @@ def _inputs(vocab: int, batch: int = 3, length: int = 40):
     return ids, mask
 
 
+def _ynn_fusions(hlo: str) -> dict[str, str]:
+    """The body of every computation a compiled program hands to YNNPACK, by name."""
+    bodies = {}
+    for name in re.findall(r"fusion\([^\n]*calls=%([\w.-]+)[^\n]*__ynn_fusion", hlo):
+        start = hlo.index(f"\n%{name} ")
+        bodies[name] = hlo[start : hlo.index("\n}", start)]
+    return bodies
+
+
 def _ours(model_dir, num_labels=5):
     cfg = weights.load_config(model_dir)
     model = BertClassifier(cfg, num_labels, rngs=nnx.Rngs(0))
@@ -227,11 +236,9 @@ def test_the_cpu_evaluation_step_gives_ynnpack_matrix_products_alone(minilm_dir)
         "weights": np.ones(len(ids), np.float32),
     }
     eval_step = make_eval_step(graphdef, distributed.data_mesh())
-    hlo = eval_step.lower(params, batch).compile().as_text()
-    called = re.findall(r"fusion\([^\n]*calls=%([\w.-]+)[^\n]*__ynn_fusion", hlo)
-    assert called, "no YNNPACK call in the compiled evaluation step"
-    for name in called:
-        body = hlo[hlo.index(f"\n%{name} ") : hlo.index("\n}", hlo.index(f"\n%{name} "))]
+    bodies = _ynn_fusions(eval_step.lower(params, batch).compile().as_text())
+    assert bodies, "no YNNPACK call in the compiled evaluation step"
+    for name, body in bodies.items():
         ops = re.findall(r"= \S+ (\w[\w-]*)\(", body)
         assert set(ops) <= {"parameter", "dot", "bitcast"}, (name, sorted(set(ops)))
     default = jax.jit(eval_step.__wrapped__)  # the same step under XLA's default fusions
@@ -314,10 +321,8 @@ def test_bfloat16_products_sum_in_float32(minilm_dir):
     # operand in head-major order, left as a view had XLA convert both operands and run the
     # product in float32 (model._in_memory; bench/NOTES.md, attempt 37).
     hlo = step.lower(params, tx.init(params), batch, 0, np.float32(0.1)).compile().as_text()
-    called = re.findall(r"fusion\([^\n]*calls=%([\w.-]+)[^\n]*__ynn_fusion", hlo)
     products = []
-    for name in called:
-        body = hlo[hlo.index(f"\n%{name} ") : hlo.index("\n}", hlo.index(f"\n%{name} "))]
+    for body in _ynn_fusions(hlo).values():
         types = dict(re.findall(r"(%[\w.-]+) = (\w+\[[\d,]*\])", body))
         dot = r"= \w+\[([\d,]+)\]\S* dot\((%[\w.-]+), (%[\w.-]+)\),[^\n]*?lhs_contracting_dims"
         for out, a, b, axis in re.findall(dot + r"={(\d+)", body):
