@@ -420,11 +420,13 @@ class Layer(nnx.Module):
         # Head-major [batch, heads, tokens, head_dim] before the products: from the token-major
         # layout XLA's CPU backend computed the probability-value product transposed, more
         # slowly, and copied it back (bench/NOTES.md, attempt 16).
-        q, k, v = (
+        q, v = (
             _operand(t.reshape(b, t.shape[1], heads, h // heads).transpose(0, 2, 1, 3))
-            for t in (q, k, v)
+            for t in (q, v)
         )
-        scores = matmul(q, _operand(k.swapaxes(-1, -2)))
+        # The keys straight to [batch, heads, head_dim, tokens]: one copy in bfloat16, not two.
+        keys = _operand(k.reshape(b, k.shape[1], heads, h // heads).transpose(0, 2, 3, 1))
+        scores = matmul(q, keys)
         probs = self._probs(scores, bias, deterministic=deterministic, rngs=rngs)
         return matmul(probs, v).transpose(0, 2, 1, 3).reshape(b, nq, h)
 
