@@ -361,6 +361,27 @@ def test_a_bfloat16_model_casts_the_embedding_rows_it_takes_not_the_tables(minil
     assert f"bf16[3,32,{cfg.hidden_size}] = convert_element_type" in text
 
 
+def test_a_bfloat16_model_computes_its_activation_in_float32(minilm_dir):
+    # In bfloat16 every intermediate of the GELU and of its gradient was rounded to bfloat16
+    # and back, a dozen converts an element that XLA's CPU backend keeps (bench/NOTES.md,
+    # attempt 40): the activation runs in float32 between one cast in and one out.
+    import jax
+    import jax.numpy as jnp
+
+    cfg = weights.load_config(minilm_dir)
+    model = BertClassifier(cfg, 5, jnp.bfloat16, rngs=nnx.Rngs(0))
+    graphdef, params = nnx.split(model, nnx.Param)
+    ids, mask = _inputs(cfg.vocab_size, batch=3, length=16)
+
+    def loss(params):
+        return nnx.merge(graphdef, params)(ids, mask).sum()
+
+    text = str(jax.make_jaxpr(jax.grad(loss))(params))
+    width = cfg.intermediate_size
+    assert re.findall(rf"f32\[3,16,{width}\] = erf", text)
+    assert not re.findall(rf"bf16\[[\d,]*{width}\] = (erf|exp|mul|add)", text)
+
+
 def test_off_cpu_bfloat16_products_return_bfloat16(monkeypatch):
     # A GPU's matrix units sum bfloat16 in float32 whatever the result's dtype; a float32 result
     # there only adds memory traffic and a cast back (model.product; bench/NOTES.md, attempt 35).
