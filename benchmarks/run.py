@@ -40,6 +40,7 @@ PEERS = {
     "train_bf16_examples_per_s": "train_bf16_peer_examples_per_s",
     "mfu_bf16": "peer_mfu_bf16",
     "eval_examples_per_s": "eval_peer_examples_per_s",
+    "eval_bf16_examples_per_s": "eval_bf16_peer_examples_per_s",
     "bucketed_examples_per_s": "padded_512_examples_per_s",
     "real_token_fraction": "real_token_fraction_padded_512",
     "dp_two_processes_examples_per_s": "dp_one_process_one_core_examples_per_s",

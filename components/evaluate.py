@@ -20,6 +20,7 @@ def evaluate(
     mlflow_experiment: str = "kubejax",
     split: str = "test",
     batch_size: int = 64,
+    dtype: str = "float32",
     log_model: bool = True,
 ) -> float:
     """Evaluate a trained model on the dataset's test split.
@@ -38,6 +39,8 @@ def evaluate(
         mlflow_experiment: Experiment for a new run.
         split: The split to evaluate.
         batch_size: Examples per inference batch.
+        dtype: Compute dtype, `float32` or `bfloat16` (bfloat16 products summed in float32:
+            faster where the hardware has them; a near-tie prediction may turn).
         log_model: Log the model as an MLflow pyfunc model.
 
     Returns:
@@ -54,6 +57,7 @@ def evaluate(
         report.path,
         split=split,
         batch_size=batch_size,
+        dtype=dtype,
         mlflow_run_id=mlflow_run_id,
         mlflow_tracking_uri=mlflow_tracking_uri,
         mlflow_experiment=mlflow_experiment,

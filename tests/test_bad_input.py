@@ -123,6 +123,7 @@ CASES = [
     ("run-profile-unknown", "cli", _cli("run", "--local", "--workdir", lambda f: str(f.out), "--profile", "huge"), r"profile.*huge"),
     ("evaluate-model-missing", "cli", _cli("evaluate", "--model-dir", lambda f: str(f.tmp / "nomodel"), "--data-dir", lambda f: str(f.data)), r"model"),
     ("evaluate-split-unknown", "cli", _cli("evaluate", "--model-dir", lambda f: str(f.trained), "--data-dir", lambda f: str(f.data), "--split", "dev"), r"split: 'dev' is not a split of .* \(it has test, train, validation\)"),
+    ("evaluate-dtype-unknown", "cli", _cli("evaluate", "--model-dir", lambda f: str(f.trained), "--data-dir", lambda f: str(f.data), "--dtype", "float16"), r"dtype: 'float16' is not one of float32, bfloat16"),
     # components, called as KFP calls them
     ("component-train-hyperparameters", "component", "train", r"hyperparameters: .*learning.rate.*fast"),
     ("component-train-backend", "component", "train-backend", r"backend.*slurm"),

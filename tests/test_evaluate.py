@@ -39,6 +39,22 @@ def test_evaluate_a_trained_model(trained_tiny, prepared, tmp_path):
     assert "Confusion matrix" in (tmp_path / "e.html").read_text()
 
 
+def test_a_bfloat16_evaluation_agrees_with_float32(trained_tiny, prepared):
+    f32 = evaluate_model(trained_tiny / "model", prepared)
+    bf16 = evaluate_model(trained_tiny / "model", prepared, dtype="bfloat16")
+    assert (f32["dtype"], bf16["dtype"]) == ("float32", "bfloat16")
+    # bfloat16 operands (8 bits of precision) summed in float32: a different loss, near it.
+    assert bf16["loss"] != f32["loss"]
+    assert bf16["loss"] == pytest.approx(f32["loss"], rel=2e-2)
+    agree = np.mean(np.array(bf16["predictions"]) == np.array(f32["predictions"]))
+    assert agree >= 0.9, agree
+
+
+def test_an_unknown_evaluation_dtype_is_named(trained_tiny, prepared):
+    with pytest.raises(EvaluationError, match="dtype: 'float16' is not one of float32, bfloat16"):
+        evaluate_model(trained_tiny / "model", prepared, dtype="float16")
+
+
 def test_model_with_missing_files(trained_tiny, prepared, tmp_path):
     broken = shutil.copytree(trained_tiny / "model", tmp_path / "m")
     (broken / "model.safetensors").unlink()

@@ -303,6 +303,7 @@ def _add_evaluate(sub) -> None:
     p.add_argument("--data-dir", required=True)
     p.add_argument("--split", default="test")
     p.add_argument("--batch-size", type=int, default=64)
+    p.add_argument("--dtype", default="float32", help="compute dtype: float32 or bfloat16")
     p.add_argument("--report", help="also write the HTML report here")
     p.set_defaults(func=_evaluate)
 
@@ -310,7 +311,9 @@ def _add_evaluate(sub) -> None:
 def _evaluate(args) -> int:
     from kubejax.evaluate import evaluate_model, summary, write_eval_report
 
-    result = evaluate_model(args.model_dir, args.data_dir, args.split, args.batch_size)
+    result = evaluate_model(
+        args.model_dir, args.data_dir, args.split, args.batch_size, dtype=args.dtype
+    )
     if args.report:
         write_eval_report(result, args.report)
     print(json.dumps(summary(result)))

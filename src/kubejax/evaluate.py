@@ -8,12 +8,14 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
+import jax.numpy as jnp
 import numpy as np
 
 from kubejax import report
 from kubejax.data import dataset
 from kubejax.errors import KubejaxError
 from kubejax.trainer import weights
+from kubejax.trainer.config import DTYPES
 from kubejax.trainer.predict import predict_logits, use_cpu_cores_as_devices
 
 
@@ -54,10 +56,21 @@ def classification_metrics(labels: np.ndarray, preds: np.ndarray, num_labels: in
 
 
 def evaluate_model(
-    model_dir: str | Path, data_dir: str | Path, split: str = "test", batch_size: int = 64
+    model_dir: str | Path,
+    data_dir: str | Path,
+    split: str = "test",
+    batch_size: int = 64,
+    dtype: str = "float32",
 ) -> dict:
     """Metrics of the model on a split, with predictions and throughput. In a process whose JAX
-    has not started, on CPU it computes on one device per core (`use_cpu_cores_as_devices`)."""
+    has not started, on CPU it computes on one device per core (`use_cpu_cores_as_devices`).
+
+    `dtype` is the compute dtype, as the trainer's: `bfloat16` multiplies bfloat16 operands
+    into float32 sums, faster than float32 where the hardware has bfloat16 products (a CPU
+    with AVX512-BF16, a GPU), and may turn a prediction whose top two logits nearly tie.
+    """
+    if dtype not in DTYPES:
+        raise EvaluationError(f"dtype: {dtype!r} is not one of {', '.join(DTYPES)}")
     use_cpu_cores_as_devices(batch_size)
     model_dir = check_model_dir(model_dir)
     meta = dataset.read_metadata(data_dir)
@@ -65,7 +78,7 @@ def evaluate_model(
         data = dataset.load_split(data_dir, split, with_text=True)
     except dataset.DatasetError as err:
         raise EvaluationError(f"dataset: {err}") from err
-    model, label_names = weights.load_model_dir(model_dir)
+    model, label_names = weights.load_model_dir(model_dir, getattr(jnp, dtype))
     if int(meta["num_labels"]) != model.num_labels:
         raise EvaluationError(
             f"num_labels: the model has {model.num_labels} classes, the dataset "
@@ -89,6 +102,7 @@ def evaluate_model(
         label_names=label_names,
         predictions=preds.tolist(),
         max_length=int(meta.get("max_length", 512)),
+        dtype=dtype,
     )
     return result
 
@@ -188,6 +202,7 @@ def evaluate_task(
     *,
     split: str = "test",
     batch_size: int = 64,
+    dtype: str = "float32",
     mlflow_run_id: str = "",
     mlflow_tracking_uri: str = "",
     mlflow_experiment: str = "kubejax",
@@ -201,7 +216,9 @@ def evaluate_task(
 
     cache_every_program()
     t0 = time.monotonic()
-    result = evaluate_model(model_path, dataset_path, split=split, batch_size=batch_size)
+    result = evaluate_model(
+        model_path, dataset_path, split=split, batch_size=batch_size, dtype=dtype
+    )
     names = result["label_names"]
     figures = ("accuracy", "macro_f1", "loss", "majority_baseline")
     metrics = {key: float(result[key]) for key in (*figures, "examples_per_s")}
@@ -209,7 +226,7 @@ def evaluate_task(
     metrics["wall_s"] = round(time.monotonic() - t0, 2)
     print(
         f"evaluate: {split} accuracy {result['accuracy']:.4f}, macro-F1 {result['macro_f1']:.4f} "
-        f"on {int(sum(map(sum, result['confusion_matrix'])))} rows",
+        f"on {int(sum(map(sum, result['confusion_matrix'])))} rows in {dtype}",
         flush=True,
     )
     write_eval_report(result, report_path)
@@ -223,6 +240,7 @@ def evaluate_task(
         run_name=None if mlflow_run_id else "evaluate",
         tags=tracking.kfp_tags({"kubejax.step": "evaluate"}),
     )
+    tracker.set_tags({"kubejax.eval_dtype": dtype})
     tracker.log_metrics({f"{split}_{k}": float(result[k]) for k in figures})
     tracker.log_metrics(
         {f"{split}_f1_{n}": float(v) for n, v in zip(names, result["f1"], strict=True)}
