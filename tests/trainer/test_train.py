@@ -402,6 +402,42 @@ def test_predictions_on_two_devices_keep_every_row_and_a_short_last_batch():
     assert_close_to_scale(np.asarray(out["got"]), np.asarray(out["alone"]), 1e-5, "logits")
 
 
+def test_bfloat16_predictions_cast_the_weights_once_not_in_every_batch(monkeypatch):
+    # The evaluation step converted every float32 matrix to bfloat16 in each batch it ran
+    # (bench/NOTES.md, attempt 41): prediction hands it the matrices in the compute dtype (`model.matrices_in`).
+    import jax
+    import jax.numpy as jnp
+    from flax import nnx
+
+    from kubejax.data.dataset import TokenizedSplit
+    from kubejax.trainer import predict
+    from kubejax.trainer.model import BertClassifier, BertConfig
+
+    cfg = BertConfig(hidden_size=32, num_hidden_layers=2, num_attention_heads=2,
+                     intermediate_size=64, vocab_size=100, max_position_embeddings=64)  # fmt: skip
+    model = BertClassifier(cfg, 5, jnp.bfloat16, rngs=nnx.Rngs(0))
+    seen, make_eval_step = [], predict.make_eval_step
+
+    def recording(graphdef, mesh):
+        step = make_eval_step(graphdef, mesh)
+
+        def run(params, batch):
+            seen.extend((p.ndim, p.dtype) for p in jax.tree.leaves(params))
+            return step(params, batch)
+
+        return run
+
+    monkeypatch.setattr(predict, "make_eval_step", recording)
+    rows = np.random.default_rng(0).integers(1, 100, (6, 20)).astype(np.int32)
+    split = TokenizedSplit(rows.reshape(-1), np.arange(0, 121, 20), np.zeros(6, np.int32))
+    got = predict.predict_logits(model, split, batch_size=8, max_length=64)
+    assert seen and {dtype for ndim, dtype in seen if ndim >= 2} == {jnp.dtype(jnp.bfloat16)}
+    assert {dtype for ndim, dtype in seen if ndim < 2} == {jnp.dtype(jnp.float32)}
+    # The same logits as the model with its float32 matrices, which it casts as it goes.
+    want = jax.jit(lambda i: model(i, jnp.ones_like(i)))(rows)
+    assert_close_to_scale(got, np.asarray(want), 1e-2, "logits")
+
+
 _CPU_DEVICES = """
 import json, os, sys, jax
 from kubejax.trainer.predict import cpu_cores, use_cpu_cores_as_devices

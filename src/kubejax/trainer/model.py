@@ -124,6 +124,21 @@ def product(a: jax.Array, b: jax.Array) -> jax.Array:
     return jnp.matmul(a, b, preferred_element_type=jnp.float32)
 
 
+def matrices_in(params, dtype):
+    """`params` with every floating matrix (weights, embedding tables) in `dtype` and the
+    vectors (biases, LayerNorm's) as they are: for inference. The model casts each matrix to
+    its compute dtype as it uses it, which in bfloat16 made every evaluation batch convert them
+    all (bench/NOTES.md, attempt 41); cast once, the logits are the same."""
+    dtype = jnp.dtype(dtype)
+
+    def cast(p):
+        if p.ndim >= 2 and jnp.issubdtype(p.dtype, jnp.floating) and p.dtype != dtype:
+            return p.astype(dtype)
+        return p
+
+    return jax.tree.map(cast, params)
+
+
 def _transposed_product(a: jax.Array, g: jax.Array) -> jax.Array:
     """`aᵀ·g` over the last two axes (a [..., m, k], g [..., m, n] → [..., k, n]), the weight
     gradient of a product.

@@ -11,6 +11,7 @@ import numpy as np
 from flax import nnx
 
 from kubejax.data import dataset
+from kubejax.trainer.model import matrices_in
 from kubejax.trainer.steps import make_eval_step
 
 #: Rows of a batch each CPU device takes at least when evaluation splits it over the cores.
@@ -67,6 +68,7 @@ def predict_logits(
     batch_size = max(len(devices), batch_size // len(devices) * len(devices))
     mesh = Mesh(np.array(devices), ("data",))
     graphdef, params = nnx.split(model)
+    params = matrices_in(params, model.dtype)
     params = jax.device_put(params, jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec()))
     eval_step = make_eval_step(graphdef, mesh)
     sharding = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec("data"))

@@ -35,7 +35,7 @@ from kubejax.errors import KubejaxError
 from kubejax.trainer import distributed, weights
 from kubejax.trainer.checkpoint import Checkpointer
 from kubejax.trainer.config import ConfigError, TrainConfig
-from kubejax.trainer.model import BertClassifier, BertConfig
+from kubejax.trainer.model import BertClassifier, BertConfig, matrices_in
 from kubejax.trainer.outputs import METRICS_FILE, MODEL_DIR, UNDELIVERED_FILE
 from kubejax.trainer.steps import cache_every_program, make_eval_step, make_train_step
 
@@ -182,6 +182,7 @@ def make_optimizer(cfg: TrainConfig) -> optax.GradientTransformation:
 
 def evaluate_split(eval_step, params, split, cfg: TrainConfig, mesh) -> dict:
     """Loss and accuracy over (up to max_eval_examples of) a split."""
+    params = matrices_in(params, cfg.dtype)
     totals = {"loss": 0.0, "correct": 0.0, "count": 0.0}
     for local in dataset.eval_batches(
         split,
