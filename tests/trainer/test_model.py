@@ -217,18 +217,20 @@ def test_checkpoint_folder_problems_are_named(tmp_path):
         weights.resolve_model_dir(str(tmp_path / "missing" / "model"))
 
 
-def test_the_cpu_evaluation_step_gives_ynnpack_matrix_products_alone(minilm_dir):
-    # XLA's default CPU fusions (softmax and LayerNorm work fused with the products into one
-    # YNNPACK call) were slower for the forward pass; the evaluation step asks for the products
-    # alone (steps.EVAL_COMPILER_OPTIONS) and computes the same logits.
-    import jax
+def test_the_cpu_evaluation_step_keeps_xlas_default_ynnpack_fusions(minilm_dir):
+    # Asking XLA for YNNPACK's products alone, as the evaluation step once did, measured slower
+    # (float32 1 %, bfloat16 7 %; bench/NOTES.md, attempt 42) than its default fusions, which
+    # also hand YNNPACK the reductions and the softmax around the attention products.
+    import jax.numpy as jnp
 
     from kubejax.trainer import distributed
+    from kubejax.trainer.model import matrices_in
     from kubejax.trainer.steps import make_eval_step
 
-    model, _ = _ours(minilm_dir)
+    cfg = weights.load_config(minilm_dir)
+    model = BertClassifier(cfg, 5, jnp.bfloat16, rngs=nnx.Rngs(0))
     graphdef, params = nnx.split(model)
-    ids, mask = _inputs(30522)
+    ids, mask = _inputs(cfg.vocab_size)
     batch = {
         "input_ids": ids,
         "attention_mask": mask,
@@ -236,18 +238,10 @@ def test_the_cpu_evaluation_step_gives_ynnpack_matrix_products_alone(minilm_dir)
         "weights": np.ones(len(ids), np.float32),
     }
     eval_step = make_eval_step(graphdef, distributed.data_mesh())
-    bodies = _ynn_fusions(eval_step.lower(params, batch).compile().as_text())
-    assert bodies, "no YNNPACK call in the compiled evaluation step"
-    for name, body in bodies.items():
-        ops = re.findall(r"= \S+ (\w[\w-]*)\(", body)
-        assert set(ops) <= {"parameter", "dot", "bitcast"}, (name, sorted(set(ops)))
-    default = jax.jit(eval_step.__wrapped__)  # the same step under XLA's default fusions
-    assert_close_to_scale(
-        np.asarray(eval_step(params, batch)[1]),
-        np.asarray(default(params, batch)[1]),
-        1e-5,
-        "logits",
-    )
+    hlo = eval_step.lower(matrices_in(params, jnp.bfloat16), batch).compile().as_text()
+    kinds = [set(re.findall(r"= \S+ (\w[\w-]*)\(", body)) for body in _ynn_fusions(hlo).values()]
+    assert any("reduce" in ops and "dot" not in ops for ops in kinds), kinds
+    assert any({"dot", "exponential"} <= ops for ops in kinds), kinds
 
 
 def test_the_cpu_train_step_gives_ynnpack_every_weight_gradient_product(minilm_dir):

@@ -404,7 +404,8 @@ def test_predictions_on_two_devices_keep_every_row_and_a_short_last_batch():
 
 def test_bfloat16_predictions_cast_the_weights_once_not_in_every_batch(monkeypatch):
     # The evaluation step converted every float32 matrix to bfloat16 in each batch it ran
-    # (bench/NOTES.md, attempt 41): prediction hands it the matrices in the compute dtype (`model.matrices_in`).
+    # (bench/NOTES.md, attempt 41): prediction hands it the matrices in the compute dtype
+    # (`model.matrices_in`).
     import jax
     import jax.numpy as jnp
     from flax import nnx

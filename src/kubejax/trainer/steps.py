@@ -218,27 +218,15 @@ def _every_cpu_process_writes_the_cache() -> None:
 _CACHE_WRITE_ARGS = {"cache_key", "compile_time_secs", "module_name", "backend", "executable"}
 
 
-#: XLA options of the evaluation step. On CPU, XLA hands its YNNPACK library the matrix
-#: products and also fuses elementwise and reduction work around them; for a forward pass the
-#: large fusions (softmax into the attention product, LayerNorm into the feed-forward one) ran
-#: slower than the products alone, 0.79-0.99 s against 0.66-0.73 s a MiniLM batch of 64 x 128
-#: (bench/NOTES.md). Training steps keep XLA's default, which measured faster for them.
-EVAL_COMPILER_OPTIONS = {
-    "xla_cpu_experimental_ynn_fusion_type": "LIBRARY_FUSION_TYPE_INDIVIDUAL_DOT",
-}
-
-
 def make_eval_step(graphdef, mesh):
     """Weighted loss and accuracy sums over a global batch, and the logits."""
     rep = distributed.replicated(mesh)
-    options = EVAL_COMPILER_OPTIONS if mesh.devices.flat[0].platform == "cpu" else None
     budget = _piece_budget(mesh)
 
-    @partial(
-        jax.jit,
-        out_shardings=(rep, distributed.batch_sharding(mesh)),
-        compiler_options=options,
-    )
+    # XLA's default CPU fusions, which hand YNNPACK the reductions (LayerNorm's, softmax's)
+    # and the softmax around the attention products as well: asking for the products alone
+    # measured 1 % slower in float32 and 7 % in bfloat16 (bench/NOTES.md, attempt 42).
+    @partial(jax.jit, out_shardings=(rep, distributed.batch_sharding(mesh)))
     def eval_step(params, batch):
         model = nnx.merge(graphdef, params)
         logits = _logits_in_pieces(model, batch, mesh.size, budget)
