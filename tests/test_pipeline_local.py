@@ -150,7 +150,8 @@ def test_the_mlflow_runs_hold_the_figures(local_run):
     ]
     shown = {"loss.svg", "learning_rate.svg", "worker_throughput.svg", "worker_memory.svg"}
     assert any(shown <= files(r, "training") for r in final)
-    assert any("confusion_matrix.svg" in files(r, "evaluation") for r in runs)
+    evaluated = [r for r in runs if "confusion_matrix.svg" in files(r, "evaluation")]
+    assert evaluated and all(r.data.tags["kubejax.eval_dtype"] == "float32" for r in evaluated)
     assert any("optimization_history.svg" in files(r, "sweep") for r in runs)
 
 
