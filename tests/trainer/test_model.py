@@ -333,22 +333,27 @@ def test_bfloat16_products_sum_in_float32(minilm_dir):
     assert not upcast, f"{len(upcast)} of {len(large)} products in float32: {upcast[:5]}"
 
 
-def test_a_bfloat16_model_casts_the_embedding_rows_it_takes_not_the_tables(minilm_dir):
-    # nnx.Embed casts its whole table to the compute dtype: a 30,522 x 384 convert every
-    # bfloat16 step, and the gradient scattered into a zeroed table of its own for every piece
-    # of a batch (model._rows; bench/NOTES.md, attempt 38).
+def _bfloat16_gradient_jaxpr(model_dir, length: int) -> tuple[weights.BertConfig, str]:
+    """The jaxpr of the gradient of a bfloat16 model's logits over 3 rows of `length` tokens."""
     import jax
     import jax.numpy as jnp
 
-    cfg = weights.load_config(minilm_dir)
+    cfg = weights.load_config(model_dir)
     model = BertClassifier(cfg, 5, jnp.bfloat16, rngs=nnx.Rngs(0))
     graphdef, params = nnx.split(model, nnx.Param)
-    ids, mask = _inputs(cfg.vocab_size, batch=3, length=32)
+    ids, mask = _inputs(cfg.vocab_size, batch=3, length=length)
 
     def loss(params):
         return nnx.merge(graphdef, params)(ids, mask).sum()
 
-    text = str(jax.make_jaxpr(jax.grad(loss))(params))
+    return cfg, str(jax.make_jaxpr(jax.grad(loss))(params))
+
+
+def test_a_bfloat16_model_casts_the_embedding_rows_it_takes_not_the_tables(minilm_dir):
+    # nnx.Embed casts its whole table to the compute dtype: a 30,522 x 384 convert every
+    # bfloat16 step, and the gradient scattered into a zeroed table of its own for every piece
+    # of a batch (model._rows; bench/NOTES.md, attempt 38).
+    cfg, text = _bfloat16_gradient_jaxpr(minilm_dir, length=32)
     tables = [(cfg.vocab_size, cfg.hidden_size), (cfg.max_position_embeddings, cfg.hidden_size)]
     for rows, width in tables:
         assert f"[{rows},{width}] = convert_element_type" not in text, (rows, width)
@@ -359,18 +364,7 @@ def test_a_bfloat16_model_computes_its_activation_in_float32(minilm_dir):
     # In bfloat16 every intermediate of the GELU and of its gradient was rounded to bfloat16
     # and back, a dozen converts an element that XLA's CPU backend keeps (bench/NOTES.md,
     # attempt 40): the activation runs in float32 between one cast in and one out.
-    import jax
-    import jax.numpy as jnp
-
-    cfg = weights.load_config(minilm_dir)
-    model = BertClassifier(cfg, 5, jnp.bfloat16, rngs=nnx.Rngs(0))
-    graphdef, params = nnx.split(model, nnx.Param)
-    ids, mask = _inputs(cfg.vocab_size, batch=3, length=16)
-
-    def loss(params):
-        return nnx.merge(graphdef, params)(ids, mask).sum()
-
-    text = str(jax.make_jaxpr(jax.grad(loss))(params))
+    cfg, text = _bfloat16_gradient_jaxpr(minilm_dir, length=16)
     width = cfg.intermediate_size
     assert re.findall(rf"f32\[3,16,{width}\] = erf", text)
     assert not re.findall(rf"bf16\[[\d,]*{width}\] = (erf|exp|mul|add)", text)
