@@ -24,15 +24,36 @@ def scratch_dir(prefix: str) -> Path:
     return path
 
 
+#: CPU features that set the products' speed: AVX-512, its bfloat16 dot products, AMX's tiles.
+MATRIX_FLAGS = ("avx512f", "avx512_bf16", "amx_bf16")
+
+
+def describe_cpu(cpuinfo: str) -> str:
+    """The first CPU of /proc/cpuinfo's text: its model name, family and model numbers and the
+    MATRIX_FLAGS it has. One name ("Intel(R) Xeon(R) Processor") covered CPUs whose float32
+    matmul peaks differed 2.3× (bench/NOTES.md, run T), so the name alone does not say which
+    CPU a figure came from."""
+    fields: dict[str, str] = {}
+    for line in cpuinfo.splitlines():
+        key, sep, value = line.partition(":")
+        key = key.strip()
+        if sep and key in ("model name", "cpu family", "model", "flags"):
+            fields.setdefault(key, value.strip())
+    name = fields.get("model name") or platform.processor() or platform.machine()
+    details = []
+    if "cpu family" in fields and "model" in fields:
+        details.append(f"family {fields['cpu family']} model {fields['model']}")
+    flags = set(fields.get("flags", "").split())
+    details += [flag for flag in MATRIX_FLAGS if flag in flags]
+    return f"{name} ({', '.join(details)})" if details else name
+
+
 def machine() -> str:
-    """One line describing this machine."""
-    cpu = platform.processor() or platform.machine()
+    """One line describing this machine: the CPU (`describe_cpu`), cores, JAX and its backend."""
     try:
-        with open("/proc/cpuinfo") as f:
-            names = [line.split(":", 1)[1].strip() for line in f if line.startswith("model name")]
-        cpu = names[0] if names else cpu
+        cpu = describe_cpu(Path("/proc/cpuinfo").read_text())
     except OSError:
-        pass
+        cpu = describe_cpu("")
     import jax
 
     return f"{cpu}, {os.cpu_count()} cores, JAX {jax.__version__} on {jax.devices()[0].platform}"
