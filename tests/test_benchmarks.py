@@ -5,6 +5,7 @@ features. (`make bench`'s CPU benchmarks are measurement, not tests.)"""
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import os
 import platform
@@ -95,12 +96,11 @@ def test_gpu_sh_without_nvidia_smi_says_so(tmp_path):
 
 
 def _common():
-    sys.path.insert(0, str(ROOT / "benchmarks"))
-    try:
-        import common
-    finally:
-        sys.path.remove(str(ROOT / "benchmarks"))
-    return common
+    """benchmarks/common.py, loaded under a name of its own (the folder is not a package)."""
+    spec = importlib.util.spec_from_file_location("bench_common", ROOT / "benchmarks/common.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
 
 
 def test_the_benchmark_names_the_cpus_family_model_and_matrix_features():
