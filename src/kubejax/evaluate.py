@@ -238,9 +238,8 @@ def evaluate_task(
         mlflow_experiment,
         run_id=mlflow_run_id or None,
         run_name=None if mlflow_run_id else "evaluate",
-        tags=tracking.kfp_tags({"kubejax.step": "evaluate"}),
+        tags=tracking.kfp_tags({"kubejax.step": "evaluate", "kubejax.eval_dtype": dtype}),
     )
-    tracker.set_tags({"kubejax.eval_dtype": dtype})
     tracker.log_metrics({f"{split}_{k}": float(result[k]) for k in figures})
     tracker.log_metrics(
         {f"{split}_f1_{n}": float(v) for n, v in zip(names, result["f1"], strict=True)}
