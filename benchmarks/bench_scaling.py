@@ -6,7 +6,8 @@ time and the fixed cost of a sweep trial.
 - `dp_scaling_efficiency`: 2 processes × 1 core (each pinned with taskset, gloo all-reduce,
   a local JAXJob) over twice 1 process × 1 core, same global batch, MiniLM at length 128; each
   side's median step after the first, as the training figure (`_mean_of_steps`: the trainer's
-  mean instead, which one slowed step moves).
+  mean instead, which one slowed step moves); the sides alternate for three rounds and the
+  figure is the median of the rounds' (`_rounds`: each round's).
 - `bucketing_speedup`, `real_token_fraction`: length-bucketed training (multiples of 32) against
   padding every batch to 512, on generated reviews with Yelp's length distribution, in steady
   state: the trainer's step timed at each padded length, weighted by the epoch's use of it. (A
@@ -33,10 +34,10 @@ sys.path.insert(0, str(Path(__file__).parent))
 from bench_train import long_reviews
 from common import (
     TRAINER,
+    dp_figures,
     flags,
     job_env,
     machine,
-    median_step_rate,
     run_json,
     run_trainer,
     scratch_dir,
@@ -60,7 +61,7 @@ def _setup(work: Path) -> tuple[str, Path, Path]:
     return model, fixed, natural
 
 
-def dp_scaling(model: str, data: Path, work: Path, steps: int, batch: int) -> dict:
+def dp_scaling(model: str, data: Path, work: Path, steps: int, batch: int, rounds: int) -> dict:
     from kubejax.jaxjob.client import JAXJobClient
     from kubejax.jaxjob.launch import run_job
     from kubejax.jaxjob.spec import JAXJobSpec
@@ -71,13 +72,14 @@ def dp_scaling(model: str, data: Path, work: Path, steps: int, batch: int) -> di
     )  # fmt: skip
     extra = job_env(JAX_COMPILATION_CACHE_DIR=str(work / "cache-dp"))
     env = trainer_env(**extra)
-    warm = flags(**common, output_dir=work / "dp-warm")
     core0 = ["taskset", "-c", "0"]
-    run_trainer(warm, env, prefix=core0)
-    one, _ = run_trainer(flags(**common, output_dir=work / "dp-one"), env, prefix=core0)
     pinned = 'exec taskset -c "$PROCESS_ID" "$0" "$@"'
     client = JAXJobClient("local", log_root=work / "logs")
-    for name in ("dp-two-warm", "dp-two"):
+
+    def one(name: str) -> dict:
+        return run_trainer(flags(**common, output_dir=work / name), env, prefix=core0)[0]
+
+    def two(name: str) -> dict:
         spec = JAXJobSpec(
             name=name,
             image="local",
@@ -87,15 +89,13 @@ def dp_scaling(model: str, data: Path, work: Path, steps: int, batch: int) -> di
             env=[{"name": k, "value": v} for k, v in extra.items()],
         )
         run_job(client, spec, timeout=1800, log=None)
-    two = json.loads((work / "dp-two" / "metrics.json").read_text())
-    a, b = median_step_rate(one), median_step_rate(two)
-    mean_a, mean_b = one["final"]["examples_per_s"], two["final"]["examples_per_s"]
-    return {
-        "dp_one_process_one_core_examples_per_s": round(a, 2),
-        "dp_two_processes_examples_per_s": round(b, 2),
-        "dp_scaling_efficiency": round(b / (2 * a), 3),
-        "dp_scaling_efficiency_mean_of_steps": round(mean_b / (2 * mean_a), 3),
-    }
+        return json.loads((work / name / "metrics.json").read_text())
+
+    # Each side's programs into the cache first.
+    one("dp-one-warm")
+    two("dp-two-warm")
+    pairs = [(one(f"dp-one-{r}"), two(f"dp-two-{r}")) for r in range(rounds)]
+    return dp_figures(pairs)
 
 
 def real_token_fraction(data: Path, batch: int, multiple: int, cap: int) -> float:
@@ -212,11 +212,11 @@ def compile_and_trial(model: str, data: Path, work: Path, batch: int) -> dict:
     }
 
 
-def measure(steps: int = 12, batch: int = 16) -> dict:
+def measure(steps: int = 12, batch: int = 16, rounds: int = 3) -> dict:
     work = scratch_dir("kubejax-bench-scaling-")
     model, fixed, natural = _setup(work)
     return {
-        **dp_scaling(model, fixed, work, steps, batch),
+        **dp_scaling(model, fixed, work, steps, batch, rounds),
         **bucketing(model, natural, batch),
         **compile_and_trial(model, fixed, work, batch),
     }

@@ -135,6 +135,26 @@ def median_step_rate(metrics: dict) -> float:
     return statistics.median(row["examples_per_s"] for row in metrics["train"][1:])
 
 
+def dp_figures(pairs: list[tuple[dict, dict]]) -> dict:
+    """The data-parallel figures from alternated rounds of (1 process × 1 core, 2 processes)
+    trainer metrics: each side's median-step rate over the rounds, and the efficiency as the
+    median of the rounds' own (one round's figure moved 0.74-0.85 between runs of the same
+    code on one machine: bench/NOTES.md, attempt 51)."""
+    a = [median_step_rate(one) for one, _ in pairs]
+    b = [median_step_rate(two) for _, two in pairs]
+    means = [
+        two["final"]["examples_per_s"] / (2 * one["final"]["examples_per_s"]) for one, two in pairs
+    ]
+    rounds = [y / (2 * x) for x, y in zip(a, b, strict=True)]
+    return {
+        "dp_one_process_one_core_examples_per_s": round(statistics.median(a), 2),
+        "dp_two_processes_examples_per_s": round(statistics.median(b), 2),
+        "dp_scaling_efficiency": round(statistics.median(rounds), 3),
+        "dp_scaling_efficiency_rounds": [round(r, 3) for r in rounds],
+        "dp_scaling_efficiency_mean_of_steps": round(statistics.median(means), 3),
+    }
+
+
 def run_trainer(args: list[str], env: dict, prefix: list[str] = ()) -> tuple[dict, list[tuple]]:
     """Run the trainer; its metrics.json and its stdout lines with their arrival times."""
     proc = subprocess.Popen(

@@ -1,7 +1,8 @@
 """The GPU benchmark (bench/gpu.sh, benchmarks/bench_gpu.py), checked on this CPU: its smoke run
 measures both sides with a tiny model, and without a GPU it stops with a clear error and writes
-nothing; and the machine line every benchmark writes names the CPU's family, model and matrix
-features. (`make bench`'s CPU benchmarks are measurement, not tests.)"""
+nothing; the machine line every benchmark writes names the CPU's family, model and matrix
+features; the data-parallel figure is the median of alternated rounds. (`make bench`'s CPU
+benchmarks are measurement, not tests.)"""
 
 from __future__ import annotations
 
@@ -120,3 +121,26 @@ def test_the_benchmark_names_the_cpus_family_model_and_matrix_features():
     # An arm64 /proc/cpuinfo has neither a model name nor a family: the platform's name.
     arm = "processor\t: 0\nFeatures\t: fp asimd\n"
     assert describe(arm) == (platform.processor() or platform.machine())
+
+
+def test_the_data_parallel_figure_is_the_median_of_alternated_rounds():
+    # One round of the same code read 0.743 in run T and 0.797-0.847 an hour later: the figure
+    # is each round's 2-process rate over twice its 1-process one, then the median of those.
+    def metrics(step_rates: list[float], mean: float) -> dict:
+        return {
+            "train": [{"examples_per_s": r} for r in step_rates],
+            "final": {"examples_per_s": mean},
+        }
+
+    pairs = [
+        (metrics([1.0, 16.0, 16.2, 15.8], 15.0), metrics([1.0, 24.0, 24.5, 23.0], 22.0)),
+        (metrics([1.0, 18.0, 18.1, 17.9], 17.0), metrics([1.0, 30.6, 30.0, 31.0], 29.0)),
+        (metrics([1.0, 17.0, 16.9, 17.2], 16.0), metrics([1.0, 27.2, 27.0, 27.5], 26.0)),
+    ]
+    figures = _common().dp_figures(pairs)
+    # Median steps after the first: (16.0, 24.0), (18.0, 30.6), (17.0, 27.2).
+    assert figures["dp_scaling_efficiency_rounds"] == [0.75, 0.85, 0.8]
+    assert figures["dp_scaling_efficiency"] == 0.8
+    assert figures["dp_one_process_one_core_examples_per_s"] == 17.0
+    assert figures["dp_two_processes_examples_per_s"] == 27.2
+    assert figures["dp_scaling_efficiency_mean_of_steps"] == round(26.0 / 32.0, 3)
