@@ -128,6 +128,33 @@ def test_cls_only_last_layer_equals_full_computation(minilm_dir):
     assert_close_to_scale(cls[:, 0], full[:, 0], 1e-5, "[CLS] state")
 
 
+def test_packed_rows_give_each_sequence_the_logits_it_has_alone(minilm_dir):
+    # Several reviews a row: each attends to itself alone, from position 0, and is classified
+    # from its own [CLS]; an empty slot or a row of padding stays finite.
+    model, _ = _ours(minilm_dir)
+    rng = np.random.default_rng(2)
+    packs = [[20, 30, 11], [50], [7, 9], []]
+    seqs = [[np.array([101, *rng.integers(1000, 30000, n - 2), 102]) for n in p] for p in packs]
+    ids, segments, positions = (np.zeros((4, 64), np.int32) for _ in range(3))
+    starts = np.zeros((4, 3), np.int32)
+    for r, row in enumerate(seqs):
+        at = 0
+        for s, seq in enumerate(row):
+            ids[r, at : at + len(seq)], segments[r, at : at + len(seq)] = seq, s + 1
+            positions[r, at : at + len(seq)], starts[r, s] = np.arange(len(seq)), at
+            at += len(seq)
+    packed = np.asarray(model(ids, segments, positions=positions, starts=starts))
+    assert packed.shape == (4, 3, 5) and np.isfinite(packed).all()
+    for r, row in enumerate(seqs):
+        for s, seq in enumerate(row):
+            alone = np.asarray(model(seq[None], np.ones((1, len(seq)), np.int32)))[0]
+            assert_close_to_scale(packed[r, s], alone, 1e-5, f"row {r} review {s}")
+    # One review a row: the key mask alone, the same logits as unpacked.
+    ids, mask = _inputs(30522)
+    one = model(ids, mask, positions=np.tile(np.arange(40), (3, 1)), starts=np.zeros((3, 1), int))
+    np.testing.assert_allclose(np.asarray(one)[:, 0], np.asarray(model(ids, mask)), atol=1e-6)
+
+
 def test_folded_cls_attention_equals_keys_and_values_under_dropout(minilm_dir):
     # The last layer's [CLS] attention folds its query into the key and value weights; with
     # the same dropout mask it equals attention through every position's keys and values.

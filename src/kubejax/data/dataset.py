@@ -205,3 +205,90 @@ def eval_batches(
         batch["weights"] = weights[mine]
         batch["rows"] = rows[mine]
         yield batch
+
+
+def pack_rows(lengths: np.ndarray, capacity: int) -> list[list[int]]:
+    """Row indices grouped into bins of at most `capacity` tokens, best-fit decreasing: rows from
+    the longest, each into the fullest bin it fits (a new bin if none). Every length must be at
+    most `capacity`."""
+    bins: list[list[int]] = []
+    free = np.zeros(capacity + 1, np.int64)  # free[c]: how many bins have c tokens left
+    by_free: list[list[int]] = [[] for _ in range(capacity + 1)]
+    for i in np.argsort(-lengths, kind="stable"):
+        n = int(lengths[i])
+        fits = np.flatnonzero(free[n:])
+        if fits.size:
+            room = n + int(fits[0])
+            b = by_free[room].pop()
+            free[room] -= 1
+            bins[b].append(int(i))
+        else:
+            room, b = capacity, len(bins)
+            bins.append([int(i)])
+        free[room - n] += 1
+        by_free[room - n].append(b)
+    return bins
+
+
+def packed_eval_batches(
+    split: TokenizedSplit,
+    *,
+    batch_size: int,
+    local_devices: int,
+    bucket_multiple: int,
+    max_length: int,
+    pack_length: int,
+) -> Iterator[dict[str, np.ndarray]]:
+    """Every row once, for one process's inference, with rows of at most `pack_length` tokens
+    packed several to a row (`pack_rows`) and longer ones alone.
+
+    A batch holds `input_ids`, `segments` (1, 2, ... for the reviews of a row, 0 for padding)
+    and `positions` (each review's own, from 0) [batch, length], and per review slot
+    [batch, slots]: `starts` (where its [CLS] is), `rows` (its index in `split`, -1 for an
+    empty slot), `labels` and `weights` (0 for an empty slot). Batches go in length order; the
+    last is padded with empty rows to a power of two per device, as in `eval_batches`.
+    """
+    lengths = np.minimum(split.lengths, max_length)
+    cap = min(pack_length, max_length)
+    short = np.flatnonzero(lengths <= cap)
+    units = [short[b] for b in pack_rows(lengths[short], cap)]
+    units += [np.array([i]) for i in np.flatnonzero(lengths > cap)]
+    totals = np.array([lengths[u].sum() for u in units])
+    order = np.argsort(totals, kind="stable")
+    plan = [order[start : start + batch_size] for start in range(0, len(units), batch_size)]
+    padded = [bucket_length(int(totals[c].max()), bucket_multiple, max_length) for c in plan]
+    # One slot count a padded length, the most any of its rows holds: one compiled program a
+    # length rather than one for each slot count (each costs a trace and a cache load).
+    slots: dict[int, int] = {}
+    for chosen, length in zip(plan, padded, strict=True):
+        slots[length] = max(slots.get(length, 1), *(len(units[k]) for k in chosen))
+    for chosen, length in zip(plan, padded, strict=True):
+        per_device = 1 << (math.ceil(len(chosen) / local_devices) - 1).bit_length()
+        size = min(batch_size, per_device * local_devices)
+        chosen_units = [units[k] for k in chosen]
+        yield _packed_batch(split, lengths, chosen_units, size, length, slots[length])
+
+
+def _packed_batch(split, lengths, units, size: int, length: int, slots: int) -> dict:
+    ids = np.zeros((size, length), np.int32)
+    segments, positions = np.zeros_like(ids), np.zeros_like(ids)
+    starts = np.zeros((size, slots), np.int32)
+    rows = np.full((size, slots), -1, np.int64)
+    for r, unit in enumerate(units):
+        at = 0
+        for s, i in enumerate(unit):
+            n, first = int(lengths[i]), int(split.offsets[i])
+            ids[r, at : at + n] = split.values[first : first + n]
+            segments[r, at : at + n] = s + 1
+            positions[r, at : at + n] = np.arange(n)
+            starts[r, s], rows[r, s] = at, i
+            at += n
+    return {
+        "input_ids": ids,
+        "segments": segments,
+        "positions": positions,
+        "starts": starts,
+        "rows": rows,
+        "labels": split.labels[np.maximum(rows, 0)],
+        "weights": (rows >= 0).astype(np.float32),
+    }

@@ -359,12 +359,16 @@ class Embeddings(nnx.Module):
         self.norm = _norm(cfg, dtype, rngs)
         self.dropout = Dropout(cfg.hidden_dropout_prob)
 
-    def __call__(self, input_ids, *, deterministic: bool, rngs) -> jax.Array:
-        length = input_ids.shape[1]
+    def __call__(self, input_ids, *, positions=None, deterministic: bool, rngs) -> jax.Array:
+        """`positions` [batch, length]: each token's position (default: 0, 1, ... a row)."""
+        if positions is None:
+            position = _rows(self.position, jnp.arange(input_ids.shape[1]))[None]
+        else:
+            position = _rows(self.position, positions)
         # Single-segment classification: token type 0 everywhere.
         x = (
             _rows(self.word, input_ids)
-            + _rows(self.position, jnp.arange(length))[None]
+            + position
             + _rows(self.token_type, jnp.zeros((1, 1), jnp.int32))
         )
         return self.dropout(self.norm(x), deterministic=deterministic, rngs=rngs)
@@ -399,14 +403,22 @@ class Layer(nnx.Module):
         self.dropout = Dropout(cfg.hidden_dropout_prob)
         self.act = _activation(cfg.hidden_act)
 
-    def __call__(self, x, bias, *, queries: int | None, deterministic: bool, rngs) -> jax.Array:
-        """`queries`: compute outputs for the first `queries` positions only (None: all).
+    def __call__(
+        self, x, bias, *, queries: int | jax.Array | None, deterministic: bool, rngs
+    ) -> jax.Array:
+        """`queries`: compute outputs for the first `queries` positions only, or for the
+        positions in an array [batch, n] of them (None: all).
 
         Their attention still covers every position, so the outputs for those positions are
         the full layer's up to rounding.
         """
         head_dim = x.shape[-1] // self.num_heads
-        q_in = x if queries is None else x[:, :queries]
+        if queries is None:
+            q_in = x
+        elif isinstance(queries, int):
+            q_in = x[:, :queries]
+        else:
+            q_in = jnp.take_along_axis(x, queries[..., None], axis=1)
         # Queries scaled before the product: on scores four times their size, XLA's CPU
         # fusion materialized the scale as a full [batch, heads, q, k] constant.
         q = self.query(q_in) * (1.0 / math.sqrt(head_dim))
@@ -488,6 +500,8 @@ class BertEncoder(nnx.Module):
         input_ids,
         attention_mask,
         *,
+        positions=None,
+        starts=None,
         cls_only: bool = False,
         deterministic: bool = True,
         rngs=None,
@@ -497,16 +511,31 @@ class BertEncoder(nnx.Module):
         With `cls_only` the last layer computes its attention and feed-forward for the [CLS]
         position alone, the only one a sequence classifier reads, without every position's keys
         and values (`Layer._folded_attention`): the same result, fewer FLOPs.
+
+        Packed rows (several sequences a row): `attention_mask` holds each token's sequence
+        (1, 2, ..., 0 for padding), `positions` each token's position in its own sequence and
+        `starts` [batch, n] where each sequence's [CLS] is; a token attends to its own sequence
+        alone, and with `cls_only` the result is [batch, n, hidden], one [CLS] state a sequence.
         """
-        x = self.embeddings(input_ids, deterministic=deterministic, rngs=rngs)
-        # Additive mask as in transformers: the dtype's minimum on padded keys.
-        bias = (1.0 - attention_mask[:, None, None, :].astype(jnp.float32)) * jnp.finfo(
-            jnp.float32
-        ).min
+        x = self.embeddings(input_ids, positions=positions, deterministic=deterministic, rngs=rngs)
+        lowest = jnp.finfo(jnp.float32).min
+        if starts is None or starts.shape[1] == 1:
+            # Additive mask as in transformers: the dtype's minimum on padded keys (with one
+            # sequence a row, its segment ids are this mask).
+            bias = (1.0 - attention_mask[:, None, None, :].astype(jnp.float32)) * lowest
+            cls_bias, cls_queries = bias, (1 if starts is None else starts)
+        else:
+            keys = attention_mask[:, None, :]
+            same = (attention_mask[:, :, None] == keys) & (keys > 0)
+            bias = jnp.where(same, 0.0, lowest)[:, None]  # [batch, 1, query, key]
+            cls_bias = jnp.take_along_axis(bias, starts[:, None, :, None], axis=2)
+            cls_queries = starts
         last = len(self.layers) - 1
         for i, layer in enumerate(self.layers):
-            queries = 1 if (cls_only and i == last) else None
-            x = layer(x, bias, queries=queries, deterministic=deterministic, rngs=rngs)
+            if cls_only and i == last:
+                x = layer(x, cls_bias, queries=cls_queries, deterministic=deterministic, rngs=rngs)
+            else:
+                x = layer(x, bias, queries=None, deterministic=deterministic, rngs=rngs)
         return x
 
 
@@ -531,11 +560,27 @@ class BertClassifier(nnx.Module):
         if "classifier" in names:
             self.classifier = _dense(h, self.num_labels, self.config, self.dtype, rngs)
 
-    def __call__(self, input_ids, attention_mask, *, deterministic: bool = True, rngs=None):
-        """Logits [batch, num_labels], in float32."""
+    def __call__(
+        self,
+        input_ids,
+        attention_mask,
+        *,
+        positions=None,
+        starts=None,
+        deterministic: bool = True,
+        rngs=None,
+    ):
+        """Logits [batch, num_labels], in float32; for packed rows (`BertEncoder`), [batch, n,
+        num_labels], a sequence's in its slot of `starts`."""
         hidden = self.bert(
-            input_ids, attention_mask, cls_only=True, deterministic=deterministic, rngs=rngs
+            input_ids,
+            attention_mask,
+            positions=positions,
+            starts=starts,
+            cls_only=True,
+            deterministic=deterministic,
+            rngs=rngs,
         )
-        pooled = jnp.tanh(self.pooler(hidden[:, 0]))
+        pooled = jnp.tanh(self.pooler(hidden[:, 0] if starts is None else hidden))
         pooled = self.dropout(pooled, deterministic=deterministic, rngs=rngs)
         return self.classifier(pooled).astype(jnp.float32)

@@ -241,16 +241,31 @@ def make_eval_step(graphdef, mesh):
 
 def _logits_in_pieces(model, batch, devices: int, budget: int):
     """The model's logits for a batch [rows, length] sharded over `devices`, computed in pieces
-    of at most `budget` tokens per device (0: whole)."""
+    of at most `budget` tokens per device (0: whole); a batch of packed rows
+    (`dataset.packed_eval_batches`) gives them [rows, slots, labels]."""
     size, length = batch["input_ids"].shape
     pieces = size // devices // piece_rows(size // devices, length, budget)
+    if "starts" in batch:
+        inputs = {k: batch[k] for k in ("input_ids", "segments", "positions", "starts")}
+    else:
+        inputs = {k: batch[k] for k in ("input_ids", "attention_mask")}
+
+    def logits_of(xs):
+        mask = xs.get("segments", xs.get("attention_mask"))
+        return model(
+            xs["input_ids"],
+            mask,
+            positions=xs.get("positions"),
+            starts=xs.get("starts"),
+            deterministic=True,
+        )
+
     if pieces == 1:
-        return model(batch["input_ids"], batch["attention_mask"], deterministic=True)
+        return logits_of(inputs)
 
     def split(x):
         # Piece j holds rows j, j + pieces, ...: each device's rows stay on it in every piece.
-        return x.reshape(-1, pieces, length).swapaxes(0, 1)
+        return x.reshape(-1, pieces, *x.shape[1:]).swapaxes(0, 1)
 
-    inputs = (split(batch["input_ids"]), split(batch["attention_mask"]))
-    logits = jax.lax.map(lambda xs: model(*xs, deterministic=True), inputs)
-    return logits.swapaxes(0, 1).reshape(size, -1)
+    logits = jax.lax.map(logits_of, jax.tree.map(split, inputs))
+    return logits.swapaxes(0, 1).reshape(size, *logits.shape[2:])
