@@ -173,6 +173,13 @@ def train_batches(
             step += 1
 
 
+def _padded_rows(rows: int, batch_size: int, devices: int) -> int:
+    """Rows of an evaluation batch holding `rows`: a power of two per device, at most
+    `batch_size`, so a short last batch keeps equal shapes without a whole batch of padding."""
+    per_device = 1 << (math.ceil(rows / devices) - 1).bit_length()
+    return min(batch_size, per_device * devices)
+
+
 def eval_batches(
     split: TokenizedSplit,
     *,
@@ -193,8 +200,7 @@ def eval_batches(
     devices = process_count * local_devices
     for start in range(0, n, batch_size):
         rows = order[start : start + batch_size]
-        per_device = 1 << (math.ceil(len(rows) / devices) - 1).bit_length()
-        size = min(batch_size, per_device * devices)
+        size = _padded_rows(len(rows), batch_size, devices)
         local = size // process_count
         weights = np.ones(size, dtype=np.float32)
         weights[len(rows) :] = 0.0
@@ -263,8 +269,7 @@ def packed_eval_batches(
     for chosen, length in zip(plan, padded, strict=True):
         slots[length] = max(slots.get(length, 1), *(len(units[k]) for k in chosen))
     for chosen, length in zip(plan, padded, strict=True):
-        per_device = 1 << (math.ceil(len(chosen) / local_devices) - 1).bit_length()
-        size = min(batch_size, per_device * local_devices)
+        size = _padded_rows(len(chosen), batch_size, local_devices)
         chosen_units = [units[k] for k in chosen]
         yield _packed_batch(split, lengths, chosen_units, size, length, slots[length])
 
