@@ -29,16 +29,23 @@ def test_packing_places_every_row_once_within_capacity_in_few_bins():
     assert len(bins) <= np.ceil(lengths.sum() / 128 * 11 / 9) + 1
 
 
-@pytest.mark.parametrize("devices", [1, 2])
-def test_packed_batches_hold_every_review_once_with_its_own_positions(devices):
+@pytest.mark.parametrize("devices, processes", [(1, 1), (2, 1), (1, 2), (2, 2)])
+def test_packed_batches_hold_every_review_once_with_its_own_positions(devices, processes):
     rng = np.random.default_rng(1)
     # 3 over 64: alone; some as short as 3 tokens, up to 21 a row.
     lengths = np.concatenate([rng.integers(3, 60, 90), rng.integers(3, 6, 30), [100, 200, 256]])
     split = _split(lengths)
-    batches = list(
-        packed_eval_batches(split, batch_size=8, local_devices=devices, bucket_multiple=16,
-                            max_length=256, pack_length=64)
-    )  # fmt: skip
+    shares = [
+        list(packed_eval_batches(split, batch_size=8, local_devices=devices, bucket_multiple=16,
+                                 max_length=256, pack_length=64, process_index=p,
+                                 process_count=processes))
+        for p in range(processes)
+    ]  # fmt: skip
+    # Every process has the same number of batches, each of the same shapes.
+    assert len({len(s) for s in shares}) == 1
+    for same in zip(*shares, strict=True):
+        assert len({tuple((k, v.shape) for k, v in sorted(b.items())) for b in same}) == 1
+    batches = [b for s in shares for b in s]
     seen = []
     for b in batches:
         size, length = b["input_ids"].shape
@@ -56,12 +63,22 @@ def test_packed_batches_hold_every_review_once_with_its_own_positions(devices):
         assert (tokens == [lengths[row[row >= 0]].sum() for row in b["rows"]]).all()
         assert (b["weights"] == (b["rows"] >= 0)).all()
     assert sorted(seen) == list(range(len(lengths)))
-    # One slot count a padded length: one compiled program each.
+    # One slot count a padded length, a power of two: one compiled program each.
     shapes = {(b["input_ids"].shape[1], b["starts"].shape[1]) for b in batches}
     assert len(shapes) == len({length for length, _ in shapes})
+    assert all(slots & (slots - 1) == 0 for _, slots in shapes)
     long_rows = [b["rows"][r] for b in batches for r in range(len(b["rows"]))]
     for row in long_rows:
         if (lengths[row[row >= 0]] > 64).any():  # longer than pack_length: alone in its row
             assert (row >= 0).sum() == 1
     # Packing cuts the padded tokens: 120 reviews of at most 64 tokens in under 60 rows.
     assert sum(int((b["rows"] >= 0).any(1).sum()) for b in batches) < 60
+
+
+def test_packed_batches_stop_at_the_limit():
+    lengths = np.random.default_rng(2).integers(3, 60, 50)
+    batches = packed_eval_batches(
+        _split(lengths), batch_size=8, local_devices=1, bucket_multiple=16, max_length=64, limit=20
+    )
+    rows = np.concatenate([b["rows"][b["rows"] >= 0] for b in batches])
+    assert sorted(rows.tolist()) == list(range(20))

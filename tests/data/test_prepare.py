@@ -12,7 +12,7 @@ import pandas as pd
 import pytest
 
 from kubejax.cli import main as cli_main
-from kubejax.data.dataset import TokenizedSplit, eval_batches, load_split
+from kubejax.data.dataset import TokenizedSplit, load_split, packed_eval_batches
 from kubejax.data.prepare import PrepareConfig, PrepareError, prepare_yelp, write_report
 from kubejax.data.synthetic import generate_reviews
 from tests.helpers import assert_self_contained_report
@@ -81,9 +81,10 @@ def test_the_last_evaluation_batch_is_padded_to_a_power_of_two_only(
     rows, processes, devices, sizes
 ):
     split = load_split_like(lengths=[5] * (rows - 5) + [9] * 5)
-    per_process = [
-        list(eval_batches(split, batch_size=32, process_index=p, process_count=processes,
-                          local_devices=devices, bucket_multiple=8, max_length=16))
+    per_process = [  # pack_length under every length: one review a row
+        list(packed_eval_batches(split, batch_size=32, process_index=p, process_count=processes,
+                                 local_devices=devices, bucket_multiple=8, max_length=16,
+                                 pack_length=4))
         for p in range(processes)
     ]  # fmt: skip
     assert [sum(len(b[i]["weights"]) for b in per_process) for i in range(len(sizes))] == sizes

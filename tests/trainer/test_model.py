@@ -258,11 +258,13 @@ def test_the_cpu_evaluation_step_keeps_xlas_default_ynnpack_fusions(minilm_dir):
     model = BertClassifier(cfg, 5, jnp.bfloat16, rngs=nnx.Rngs(0))
     graphdef, params = nnx.split(model)
     ids, mask = _inputs(cfg.vocab_size)
-    batch = {
+    batch = {  # one review a row
         "input_ids": ids,
-        "attention_mask": mask,
-        "labels": np.zeros(len(ids), np.int32),
-        "weights": np.ones(len(ids), np.float32),
+        "segments": mask,
+        "positions": np.broadcast_to(np.arange(ids.shape[1], dtype=np.int32), ids.shape),
+        "starts": np.zeros((len(ids), 1), np.int32),
+        "labels": np.zeros((len(ids), 1), np.int32),
+        "weights": np.ones((len(ids), 1), np.float32),
     }
     eval_step = make_eval_step(graphdef, distributed.data_mesh())
     hlo = eval_step.lower(matrices_in(params, jnp.bfloat16), batch).compile().as_text()
@@ -508,9 +510,14 @@ def test_a_batch_in_pieces_gives_the_whole_batchs_gradients_and_logits():
             assert float(np.abs(g).max()) <= 1e-6 * typical, name
         else:
             assert_close_to_scale(g, want, 1e-4, name)
-    flat = {"input_ids": ids[0], "attention_mask": mask[0]}
+    flat = {  # one review a row, as the evaluation's packed batches hold it
+        "input_ids": ids[0],
+        "segments": mask[0],
+        "positions": np.broadcast_to(np.arange(256, dtype=np.int32), (12, 256)),
+        "starts": np.zeros((12, 1), np.int32),
+    }
     assert_close_to_scale(
-        _logits_in_pieces(model, flat, 1, 1024),
+        _logits_in_pieces(model, flat, 1, 1024)[:, 0],
         model(ids[0], mask[0], deterministic=True),
         1e-5,
         "logits",

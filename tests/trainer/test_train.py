@@ -347,9 +347,13 @@ cfg = BertConfig(hidden_size=32, num_hidden_layers=2, num_attention_heads=2, int
                  vocab_size=100, max_position_embeddings=256)
 graphdef, params = nnx.split(BertClassifier(cfg, 5, rngs=nnx.Rngs(0)))
 rng = np.random.default_rng(0)
+# One review of 256 tokens a row: its segment 1, positions from 0, [CLS] at 0.
 batch = {"input_ids": rng.integers(1, 100, (16, 256)).astype(np.int32),
-         "attention_mask": np.ones((16, 256), np.int32),
-         "labels": rng.integers(0, 5, 16).astype(np.int32), "weights": np.ones(16, np.float32)}
+         "segments": np.ones((16, 256), np.int32),
+         "positions": np.tile(np.arange(256, dtype=np.int32), (16, 1)),
+         "starts": np.zeros((16, 1), np.int32),
+         "labels": rng.integers(0, 5, (16, 1)).astype(np.int32),
+         "weights": np.ones((16, 1), np.float32)}
 mesh = Mesh(np.array(jax.devices()[:2]), ("data",))
 out = {}
 for budget in (1024, 0):  # 8 rows of 256 tokens a device: 2 pieces of 4 rows, or whole
@@ -366,7 +370,7 @@ def test_evaluation_in_pieces_on_two_devices_keeps_every_rows_logits():
     # every row on its own device and the logits in row order.
     out = _on_two_cpu_devices(_TWO_DEVICE_EVAL)
     pieces, whole = np.asarray(out["1024"]["logits"]), np.asarray(out["0"]["logits"])
-    assert pieces.shape == (16, 5)
+    assert pieces.shape == (16, 1, 5)
     assert_close_to_scale(pieces, whole, 1e-5, "logits")
     assert out["1024"]["loss"] == pytest.approx(out["0"]["loss"], rel=1e-5)
 
@@ -646,3 +650,45 @@ def test_an_error_building_a_model_is_not_called_a_bad_checkpoint(
     flags = {"model": "scratch", "scratch_config": json.dumps(scratch), "tokenizer": minilm_dir}
     with pytest.raises(TypeError, match="an internal error"):
         trainer_main(tiny_args(minilm_dir, prepared, tmp_path / "out", **flags))
+
+
+def test_validation_packs_short_reviews_and_gives_each_its_own_loss():
+    # The trainer's validation packs reviews several to a row, as prediction does: the loss and
+    # accuracy must be those of each review run alone, in fewer rows than reviews.
+    import jax
+    import jax.numpy as jnp
+    import optax
+    from flax import nnx
+
+    from kubejax.data.dataset import TokenizedSplit
+    from kubejax.trainer import distributed
+    from kubejax.trainer.model import BertClassifier, BertConfig
+    from kubejax.trainer.steps import make_eval_step
+    from kubejax.trainer.train import evaluate_split
+
+    cfg = BertConfig(hidden_size=32, num_hidden_layers=2, num_attention_heads=2,
+                     intermediate_size=64, vocab_size=100, max_position_embeddings=64)  # fmt: skip
+    model = BertClassifier(cfg, 5, rngs=nnx.Rngs(0))
+    rng = np.random.default_rng(0)
+    lengths = rng.integers(3, 30, 40)
+    rows = [rng.integers(1, 100, n).astype(np.int32) for n in lengths]
+    labels = rng.integers(0, 5, 40).astype(np.int32)
+    split = TokenizedSplit(np.concatenate(rows), np.concatenate([[0], np.cumsum(lengths)]), labels)
+    mesh = distributed.data_mesh()
+    graphdef, params = nnx.split(model)
+    step, ran = make_eval_step(graphdef, mesh), []
+
+    def recording(params, batch):
+        ran.append(int((np.asarray(batch["weights"]) > 0).any(1).sum()))
+        return step(params, batch)
+
+    got = evaluate_split(recording, params, split, TrainConfig(eval_batch_size=8), mesh)
+    one = jax.jit(lambda i: model(i, jnp.ones_like(i)))
+    alone = np.stack([np.asarray(one(r[None]))[0] for r in rows])
+    loss = optax.softmax_cross_entropy_with_integer_labels(alone, labels).mean()
+    assert got["eval_loss"] == pytest.approx(float(loss), rel=1e-5)
+    top2 = np.sort(alone, 1)[:, -2:]
+    near_ties = int((top2[:, 1] - top2[:, 0] < 1e-4).sum())  # argmax may go either way
+    accuracy = (alone.argmax(1) == labels).mean()
+    assert abs(got["eval_accuracy"] - accuracy) <= near_ties / 40
+    assert sum(ran) < 40 / 2  # 40 reviews of 3-29 tokens in rows of up to 256

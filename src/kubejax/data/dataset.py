@@ -21,6 +21,12 @@ METADATA_FILE = "metadata.json"
 #: The input pipeline's default bucket_multiple: padded lengths are multiples of it.
 DEFAULT_BUCKET_MULTIPLE = 32
 
+#: Evaluation packs reviews of at most this many tokens several to a row of this length.
+#: MiniLM's evaluation of Yelp-like lengths (up to 512) against no packing: rows of 128 +8 %,
+#: 256 +17-19 %, 512 -20 % (a long row's attention costs more than the padding it saves;
+#: bench/NOTES.md, attempt 53).
+DEFAULT_PACK_LENGTH = 256
+
 #: Batches are formed from windows of this many batches sorted by length (length grouping).
 _SORT_WINDOW = 64
 
@@ -180,39 +186,6 @@ def _padded_rows(rows: int, batch_size: int, devices: int) -> int:
     return min(batch_size, per_device * devices)
 
 
-def eval_batches(
-    split: TokenizedSplit,
-    *,
-    batch_size: int,
-    process_index: int,
-    process_count: int,
-    local_devices: int,
-    bucket_multiple: int,
-    max_length: int,
-    limit: int = 0,
-) -> Iterator[dict[str, np.ndarray]]:
-    """Every row once, in length order, as global batches of `batch_size` (a multiple of the
-    devices, `process_count` × `local_devices`) with a `weights` array. The last batch is
-    padded with weight-0 rows to a power of two per device (at most `batch_size`), so all
-    devices keep equal shapes without computing a whole batch of padding for a few rows."""
-    n = len(split) if limit <= 0 else min(limit, len(split))
-    order = np.argsort(split.lengths[:n], kind="stable")
-    devices = process_count * local_devices
-    for start in range(0, n, batch_size):
-        rows = order[start : start + batch_size]
-        size = _padded_rows(len(rows), batch_size, devices)
-        local = size // process_count
-        weights = np.ones(size, dtype=np.float32)
-        weights[len(rows) :] = 0.0
-        rows = np.concatenate([rows, np.full(size - len(rows), rows[0])])
-        length = bucket_length(int(split.lengths[rows].max()), bucket_multiple, max_length)
-        mine = slice(process_index * local, (process_index + 1) * local)
-        batch = gather(split, rows[mine], length)
-        batch["weights"] = weights[mine]
-        batch["rows"] = rows[mine]
-        yield batch
-
-
 def pack_rows(lengths: np.ndarray, capacity: int) -> list[list[int]]:
     """Row indices grouped into bins of at most `capacity` tokens, best-fit decreasing: rows from
     the longest, each into the fullest bin it fits (a new bin if none). Every length must be at
@@ -243,18 +216,25 @@ def packed_eval_batches(
     local_devices: int,
     bucket_multiple: int,
     max_length: int,
-    pack_length: int,
+    pack_length: int = DEFAULT_PACK_LENGTH,
+    process_index: int = 0,
+    process_count: int = 1,
+    limit: int = 0,
 ) -> Iterator[dict[str, np.ndarray]]:
-    """Every row once, for one process's inference, with rows of at most `pack_length` tokens
-    packed several to a row (`pack_rows`) and longer ones alone.
+    """Every row (the first `limit`, if over 0) once, with rows of at most `pack_length`
+    tokens packed several to a row (`pack_rows`) and longer ones alone, as global batches of
+    at most `batch_size` rows over `process_count` × `local_devices` devices; this process's
+    share of each.
 
     A batch holds `input_ids`, `segments` (1, 2, ... for the reviews of a row, 0 for padding)
-    and `positions` (each review's own, from 0) [batch, length], and per review slot
-    [batch, slots]: `starts` (where its [CLS] is), `rows` (its index in `split`, -1 for an
+    and `positions` (each review's own, from 0) [rows, length], and per review slot
+    [rows, slots]: `starts` (where its [CLS] is), `rows` (its index in `split`, -1 for an
     empty slot), `labels` and `weights` (0 for an empty slot). Batches go in length order; the
-    last is padded with empty rows to a power of two per device, as in `eval_batches`.
+    last is padded with empty rows to a power of two per device (`_padded_rows`), so every
+    device keeps equal shapes without computing a whole batch of padding for a few reviews.
     """
-    lengths = np.minimum(split.lengths, max_length)
+    n = len(split) if limit <= 0 else min(limit, len(split))
+    lengths = np.minimum(split.lengths[:n], max_length)
     cap = min(pack_length, max_length)
     short = np.flatnonzero(lengths <= cap)
     units = [short[b] for b in pack_rows(lengths[short], cap)]
@@ -263,15 +243,19 @@ def packed_eval_batches(
     order = np.argsort(totals, kind="stable")
     plan = [order[start : start + batch_size] for start in range(0, len(units), batch_size)]
     padded = [bucket_length(int(totals[c].max()), bucket_multiple, max_length) for c in plan]
-    # One slot count a padded length, the most any of its rows holds: one compiled program a
-    # length rather than one for each slot count (each costs a trace and a cache load).
+    # One slot count a padded length, the most any of its rows holds rounded up to a power of
+    # two: one compiled program a length rather than one for each slot count (each costs a
+    # trace and a cache load), and few across calls with other reviews (a served model's
+    # requests). An empty slot costs one token's last layer.
     slots: dict[int, int] = {}
     for chosen, length in zip(plan, padded, strict=True):
-        slots[length] = max(slots.get(length, 1), *(len(units[k]) for k in chosen))
+        most = max(slots.get(length, 1), *(len(units[k]) for k in chosen))
+        slots[length] = 1 << (most - 1).bit_length()
+    devices = process_count * local_devices
     for chosen, length in zip(plan, padded, strict=True):
-        size = _padded_rows(len(chosen), batch_size, local_devices)
-        chosen_units = [units[k] for k in chosen]
-        yield _packed_batch(split, lengths, chosen_units, size, length, slots[length])
+        local = _padded_rows(len(chosen), batch_size, devices) // process_count
+        mine = [units[k] for k in chosen[process_index * local : (process_index + 1) * local]]
+        yield _packed_batch(split, lengths, mine, local, length, slots[length])
 
 
 def _packed_batch(split, lengths, units, size: int, length: int, slots: int) -> dict:

@@ -17,12 +17,6 @@ from kubejax.trainer.steps import make_eval_step
 #: Rows of a batch each CPU device takes at least when evaluation splits it over the cores.
 CPU_DEVICE_ROWS = 32
 
-#: Reviews of at most this many tokens are packed several to a row of this length. MiniLM's
-#: evaluation of Yelp-like lengths (up to 512) against no packing: rows of 128 +8 %, 256
-#: +17-19 %, 512 -20 % (a long row's attention costs more than the padding it saves;
-#: bench/NOTES.md, attempt 53).
-PACK_LENGTH = 256
-
 
 def cpu_cores() -> int:
     """Cores this process may use: its CPU affinity, within a cgroup v2 CPU quota (a pod's
@@ -62,42 +56,57 @@ def use_cpu_cores_as_devices(batch_size: int) -> int:
     return wanted
 
 
+class Predictor:
+    """A classifier placed on this process's devices with its evaluation step, for many calls:
+    each batch shape is traced and compiled once, not again in every call (a served model's
+    requests)."""
+
+    def __init__(self, model):
+        from jax.sharding import Mesh, NamedSharding, PartitionSpec
+
+        devices = jax.local_devices()
+        self.devices, self.num_labels = len(devices), model.num_labels
+        mesh = Mesh(np.array(devices), ("data",))
+        graphdef, params = nnx.split(model)
+        params = matrices_in(params, model.dtype)
+        self.params = jax.device_put(params, NamedSharding(mesh, PartitionSpec()))
+        self.eval_step = make_eval_step(graphdef, mesh)
+        self.sharding = NamedSharding(mesh, PartitionSpec("data"))
+
+    def logits(
+        self, split: dataset.TokenizedSplit, batch_size: int, max_length: int, progress=False
+    ) -> np.ndarray:
+        """Logits for every row of `split`, in row order, data-parallel over the devices, short
+        reviews packed several to a row (`dataset.packed_eval_batches`); with `progress`, a
+        progress bar on a terminal (none in a pod's log)."""
+        from tqdm.auto import tqdm
+
+        batch_size = max(self.devices, batch_size // self.devices * self.devices)
+        out = np.zeros((len(split), self.num_labels), dtype=np.float32)
+        bar = tqdm(
+            total=len(split),
+            desc="predict",
+            unit="review",
+            disable=not (progress and sys.stderr.isatty()),
+        )
+        for batch in dataset.packed_eval_batches(
+            split,
+            batch_size=batch_size,
+            local_devices=self.devices,
+            bucket_multiple=dataset.DEFAULT_BUCKET_MULTIPLE,
+            max_length=max_length,
+        ):
+            rows, weights_ = batch.pop("rows"), batch["weights"]
+            _, logits = self.eval_step(self.params, jax.device_put(batch, self.sharding))
+            keep = weights_ > 0
+            out[rows[keep]] = np.asarray(logits)[keep]
+            bar.update(int(keep.sum()))
+        bar.close()
+        return out
+
+
 def predict_logits(
     model, split: dataset.TokenizedSplit, batch_size: int, max_length: int, progress: bool = False
-):
-    """Logits for every row of `split`, in row order, data-parallel over local devices, reviews
-    of at most `PACK_LENGTH` tokens packed several to a row (`dataset.packed_eval_batches`);
-    with `progress`, a progress bar on a terminal (none in a pod's log)."""
-    from jax.sharding import Mesh
-    from tqdm.auto import tqdm
-
-    devices = jax.local_devices()
-    batch_size = max(len(devices), batch_size // len(devices) * len(devices))
-    mesh = Mesh(np.array(devices), ("data",))
-    graphdef, params = nnx.split(model)
-    params = matrices_in(params, model.dtype)
-    params = jax.device_put(params, jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec()))
-    eval_step = make_eval_step(graphdef, mesh)
-    sharding = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec("data"))
-    out = np.zeros((len(split), model.num_labels), dtype=np.float32)
-    bar = tqdm(
-        total=len(split),
-        desc="predict",
-        unit="review",
-        disable=not (progress and sys.stderr.isatty()),
-    )
-    for batch in dataset.packed_eval_batches(
-        split,
-        batch_size=batch_size,
-        local_devices=len(devices),
-        bucket_multiple=dataset.DEFAULT_BUCKET_MULTIPLE,
-        max_length=max_length,
-        pack_length=PACK_LENGTH,
-    ):
-        rows, weights_ = batch.pop("rows"), batch["weights"]
-        _, logits = eval_step(params, jax.device_put(batch, sharding))
-        keep = weights_ > 0
-        out[rows[keep]] = np.asarray(logits)[keep]
-        bar.update(int(keep.sum()))
-    bar.close()
-    return out
+) -> np.ndarray:
+    """`Predictor.logits` of `model` for one call."""
+    return Predictor(model).logits(split, batch_size, max_length, progress)

@@ -219,7 +219,8 @@ _CACHE_WRITE_ARGS = {"cache_key", "compile_time_secs", "module_name", "backend",
 
 
 def make_eval_step(graphdef, mesh):
-    """Weighted loss and accuracy sums over a global batch, and the logits."""
+    """Weighted loss and accuracy sums over a global batch of packed rows
+    (`dataset.packed_eval_batches`), and the logits of every review slot."""
     rep = distributed.replicated(mesh)
     budget = _piece_budget(mesh)
 
@@ -240,23 +241,19 @@ def make_eval_step(graphdef, mesh):
 
 
 def _logits_in_pieces(model, batch, devices: int, budget: int):
-    """The model's logits for a batch [rows, length] sharded over `devices`, computed in pieces
-    of at most `budget` tokens per device (0: whole); a batch of packed rows
-    (`dataset.packed_eval_batches`) gives them [rows, slots, labels]."""
+    """The model's logits [rows, slots, labels] for a batch of packed rows
+    (`dataset.packed_eval_batches`) [rows, length] sharded over `devices`, computed in pieces
+    of at most `budget` tokens per device (0: whole)."""
     size, length = batch["input_ids"].shape
     pieces = size // devices // piece_rows(size // devices, length, budget)
-    if "starts" in batch:
-        inputs = {k: batch[k] for k in ("input_ids", "segments", "positions", "starts")}
-    else:
-        inputs = {k: batch[k] for k in ("input_ids", "attention_mask")}
+    inputs = {k: batch[k] for k in ("input_ids", "segments", "positions", "starts")}
 
     def logits_of(xs):
-        mask = xs.get("segments", xs.get("attention_mask"))
         return model(
             xs["input_ids"],
-            mask,
-            positions=xs.get("positions"),
-            starts=xs.get("starts"),
+            xs["segments"],
+            positions=xs["positions"],
+            starts=xs["starts"],
             deterministic=True,
         )
 

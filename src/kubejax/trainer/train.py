@@ -181,10 +181,11 @@ def make_optimizer(cfg: TrainConfig) -> optax.GradientTransformation:
 
 
 def evaluate_split(eval_step, params, split, cfg: TrainConfig, mesh) -> dict:
-    """Loss and accuracy over (up to max_eval_examples of) a split."""
+    """Loss and accuracy over (up to max_eval_examples of) a split, short reviews packed
+    several to a row as in prediction (`dataset.packed_eval_batches`)."""
     params = matrices_in(params, cfg.dtype)
     totals = {"loss": 0.0, "correct": 0.0, "count": 0.0}
-    for local in dataset.eval_batches(
+    for local in dataset.packed_eval_batches(
         split,
         batch_size=cfg.eval_batch_size,
         process_index=jax.process_index(),
