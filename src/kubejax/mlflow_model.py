@@ -33,11 +33,11 @@ class BertTextClassifier(mlflow.pyfunc.PythonModel):
 
         settings = json.loads((model_dir / weights.SETTINGS_FILE).read_text())
         self.max_length = int(settings["max_length"])
-        self.model, self.label_names = weights.load_model_dir(model_dir)
+        model, self.label_names = weights.load_model_dir(model_dir)
         self.tokenizer = load_tokenizer(str(model_dir), self.max_length)
         # One predictor for every request: each request shape is compiled once (a predictor a
         # request traced and compiled its programs again: 0.56-0.60 s a one-text request).
-        self.predictor = Predictor(self.model)
+        self.predictor = Predictor(model)
 
     def predict(self, context, model_input: pd.DataFrame, params=None) -> pd.DataFrame:
         from kubejax.data.dataset import TokenizedSplit
