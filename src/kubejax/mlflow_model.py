@@ -35,8 +35,8 @@ class BertTextClassifier(mlflow.pyfunc.PythonModel):
         self.max_length = int(settings["max_length"])
         model, self.label_names = weights.load_model_dir(model_dir)
         self.tokenizer = load_tokenizer(str(model_dir), self.max_length)
-        # One predictor for every request: each request shape is compiled once (a predictor a
-        # request traced and compiled its programs again: 0.56-0.60 s a one-text request).
+        # One predictor for every request, so each request shape is compiled once: a new one
+        # in each request traced and compiled its programs again (0.56-0.60 s for one text).
         self.predictor = Predictor(model)
 
     def predict(self, context, model_input: pd.DataFrame, params=None) -> pd.DataFrame:
