@@ -70,6 +70,9 @@ def test_two_processes_equal_one_process(tmp_path, monkeypatch, tiny_model_dir, 
     assert_same_training(*_comparable(_base_params(tiny_model_dir), pa, pb), rel=1e-3)
     meta = json.loads((two / "metrics.json").read_text())
     assert meta["final"]["num_processes"] == 2
+    # The validation, packed and split over the processes, covers each review once.
+    alone = json.loads((one / "metrics.json").read_text())["final"]
+    assert meta["final"]["eval_loss"] == pytest.approx(alone["eval_loss"], rel=1e-3)
     # Kubeflow Trainer v2's environment (JAX_COORDINATOR_ADDRESS host:port, JAX_NUM_PROCESSES,
     # JAX_PROCESS_ID): the same two processes, the same program, the same losses.
     v2 = tmp_path / "trainjob"
