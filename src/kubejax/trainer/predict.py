@@ -11,6 +11,7 @@ import numpy as np
 from flax import nnx
 
 from kubejax.data import dataset
+from kubejax.trainer import distributed
 from kubejax.trainer.model import matrices_in
 from kubejax.trainer.steps import make_eval_step
 
@@ -62,16 +63,16 @@ class Predictor:
     requests)."""
 
     def __init__(self, model):
-        from jax.sharding import Mesh, NamedSharding, PartitionSpec
+        from jax.sharding import Mesh
 
         devices = jax.local_devices()
         self.devices, self.num_labels = len(devices), model.num_labels
-        mesh = Mesh(np.array(devices), ("data",))
+        mesh = Mesh(np.array(devices), (distributed.DATA_AXIS,))
         graphdef, params = nnx.split(model)
         params = matrices_in(params, model.dtype)
-        self.params = jax.device_put(params, NamedSharding(mesh, PartitionSpec()))
+        self.params = jax.device_put(params, distributed.replicated(mesh))
         self.eval_step = make_eval_step(graphdef, mesh)
-        self.sharding = NamedSharding(mesh, PartitionSpec("data"))
+        self.sharding = distributed.batch_sharding(mesh)
 
     def logits(
         self, split: dataset.TokenizedSplit, batch_size: int, max_length: int, progress=False
