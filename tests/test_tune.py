@@ -230,7 +230,11 @@ def test_real_sweep_of_the_trainer_4_trials_2_parallel(
 
     uri = local_tracking_uri(tmp_path)
     # As under KFP's MLflow integration: the task has its own run; the sweep nests under it.
-    kfp_exp = MlflowClient(uri).create_experiment("kfp-pipeline-run")
+    # (Its artifacts in tmp_path, as a server's own root would hold them: MLflow's default for
+    # an sqlite store is ./mlruns of the working directory, the repository's.)
+    kfp_exp = MlflowClient(uri).create_experiment(
+        "kfp-pipeline-run", artifact_location=(tmp_path / "kfp-artifacts").as_uri()
+    )
     task_run = MlflowClient(uri).create_run(kfp_exp).info.run_id
     monkeypatch.setenv("MLFLOW_RUN_ID", task_run)
     cfg = SweepConfig(
