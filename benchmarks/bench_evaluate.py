@@ -72,7 +72,7 @@ def ours(
     import jax
 
     from kubejax.evaluate import evaluate_model
-    from kubejax.trainer.steps import cache_every_program
+    from kubejax.trainer.compile_cache import cache_every_program
 
     jax.config.update("jax_compilation_cache_dir", str(cache))
     cache_every_program()

@@ -3,7 +3,11 @@
 from __future__ import annotations
 
 import json
+import os
 import shutil
+import subprocess
+import sys
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -108,3 +112,63 @@ def test_the_served_model_compiles_each_request_shape_once(trained_tiny, monkeyp
         seen.append(len(traces))
     assert seen[0] > 0 and seen[1] == seen[0]  # one text, twice: traced once
     assert seen[2] > seen[1] and seen[3] == seen[2]  # 3 and 4 reviews a row: 4 slots both
+
+
+_SERVE_ONE_TEXT = """
+import sys
+from pathlib import Path
+
+import jax
+import pandas as pd
+
+events = []
+jax.monitoring.register_event_listener(lambda event, **kw: events.append(event))
+from kubejax.mlflow_model import BertTextClassifier
+
+served = BertTextClassifier()
+served._load(Path(sys.argv[1]))
+served.predict(None, pd.DataFrame({"text": ["Great tacos, slow service."]}))
+print(*(events.count(f"/jax/compilation_cache/cache_{e}") for e in ("hits", "misses")))
+"""
+
+
+def test_a_served_model_keeps_its_programs_in_the_user_cache(trained_tiny, tmp_path):
+    # With no JAX cache set, every serving process compiled each request shape afresh (0.9-1.4
+    # s on MiniLM); the next one (another worker, a restart) now loads them (0.27-0.45 s).
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("JAX_COMP", "JAX_PERS"))}
+    env.pop("KUBEJAX_CACHE_DIR", None)
+    env["XDG_CACHE_HOME"] = str(tmp_path / "xdg")
+    counts = []
+    for _ in range(2):
+        run = subprocess.run(
+            [sys.executable, "-c", _SERVE_ONE_TEXT, str(trained_tiny / "model")],
+            env=env,
+            capture_output=True,
+            text=True,
+            timeout=300,
+        )
+        assert run.returncode == 0, run.stderr[-3000:]
+        counts.append(tuple(int(n) for n in run.stdout.split()))
+    (hits, misses), (hits_after, misses_after) = counts
+    assert hits == 0 and misses > 0
+    assert (hits_after, misses_after) == (misses, 0)
+    assert any((tmp_path / "xdg" / "kubejax" / "jax").iterdir())
+
+
+def test_the_served_model_keeps_a_cache_the_user_set_and_skips_one_it_cannot_make(
+    tmp_path, monkeypatch
+):
+    import jax
+
+    from kubejax.trainer import compile_cache
+
+    given = jax.config.jax_compilation_cache_dir  # the suite's (tests/conftest.py)
+    assert given and compile_cache.use_user_dir() == Path(given)
+    (tmp_path / "a-file").write_text("")
+    monkeypatch.setenv("KUBEJAX_CACHE_DIR", str(tmp_path / "a-file"))
+    try:
+        jax.config.update("jax_compilation_cache_dir", None)
+        assert compile_cache.use_user_dir() is None
+        assert jax.config.jax_compilation_cache_dir is None
+    finally:
+        jax.config.update("jax_compilation_cache_dir", given)

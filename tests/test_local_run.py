@@ -118,10 +118,10 @@ def test_run_log_verbose_shows_everything(tmp_path):
 
 
 def test_compilation_cache_lives_in_the_user_cache(tmp_path, monkeypatch):
-    from kubejax.local_run import compilation_cache_dir
+    from kubejax.trainer.compile_cache import user_dir
 
     monkeypatch.delenv("KUBEJAX_CACHE_DIR", raising=False)
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "xdg"))
-    assert compilation_cache_dir() == tmp_path / "xdg" / "kubejax" / "jax"
+    assert user_dir() == tmp_path / "xdg" / "kubejax" / "jax"
     monkeypatch.setenv("KUBEJAX_CACHE_DIR", str(tmp_path / "mine"))
-    assert compilation_cache_dir() == tmp_path / "mine" / "jax"
+    assert user_dir() == tmp_path / "mine" / "jax"

@@ -212,7 +212,7 @@ def evaluate_task(
     it); log metrics, report and predictions into the training's MLflow run (or a new
     `evaluate` run), and the model as a pyfunc model when `log_model`."""
     from kubejax import tracking
-    from kubejax.trainer.steps import cache_every_program
+    from kubejax.trainer.compile_cache import cache_every_program
 
     cache_every_program()
     t0 = time.monotonic()

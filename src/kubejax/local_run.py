@@ -22,6 +22,7 @@ from typing import Any, TextIO
 
 from kubejax import tracking
 from kubejax.jaxjob.local import LOG_DIR_ENV
+from kubejax.trainer import compile_cache
 
 #: Demo data size: train rows generated, test rows generated.
 DEMO_TRAIN_ROWS, DEMO_TEST_ROWS = 3000, 600
@@ -253,7 +254,7 @@ def _number(v: str):
 
 def init_local(workdir: str | Path) -> Path:
     """Set up kfp.local for kubejax components in `workdir` (pipeline root, workspace, job
-    logs) and JAX's compilation cache (`compilation_cache_dir`); returns the resolved workdir.
+    logs) and JAX's compilation cache (`compile_cache.user_dir`); returns the resolved workdir.
 
     Use it to run a pipeline of your own that reuses the components on this machine: it is
     what `kubejax run --local` does before running.
@@ -267,7 +268,7 @@ def init_local(workdir: str | Path) -> Path:
     # persistent cache (worker processes inherit this environment). It lives in the user's
     # cache folder, as pip's and Hugging Face's do, so the next run starts warm too; JAX keys
     # its entries by program, JAX version and flags.
-    os.environ.setdefault("JAX_COMPILATION_CACHE_DIR", str(compilation_cache_dir()))
+    os.environ.setdefault("JAX_COMPILATION_CACHE_DIR", str(compile_cache.user_dir()))
     os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0")
     os.environ.setdefault(LOG_DIR_ENV, str(workdir / "logs" / "jobs"))
     kfp.local.init(
@@ -277,15 +278,6 @@ def init_local(workdir: str | Path) -> Path:
         raise_on_error=True,
     )
     return workdir
-
-
-def compilation_cache_dir() -> Path:
-    """Where local runs keep JAX's persistent compilation cache: $KUBEJAX_CACHE_DIR/jax, else
-    $XDG_CACHE_HOME/kubejax/jax, else ~/.cache/kubejax/jax."""
-    root = os.environ.get("KUBEJAX_CACHE_DIR") or (
-        Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "kubejax"
-    )
-    return Path(root) / "jax"
 
 
 def keep_task_arguments_intact() -> None:

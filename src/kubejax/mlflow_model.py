@@ -5,7 +5,9 @@
     # → columns: label (name), label_id, and prob_<name> per class
 
 The model folder (HF layout: config, weights, tokenizer, labels) is the pyfunc's artifact;
-texts are tokenized as data preparation did (same tokenizer, same max_length).
+texts are tokenized as data preparation did (same tokenizer, same max_length). Compiled
+programs go to JAX's persistent cache: JAX_COMPILATION_CACHE_DIR, else the user's cache folder
+(`compile_cache.user_dir`).
 """
 
 from __future__ import annotations
@@ -28,9 +30,12 @@ class BertTextClassifier(mlflow.pyfunc.PythonModel):
 
     def _load(self, model_dir: Path) -> None:
         from kubejax.data.tokenizer import load_tokenizer
-        from kubejax.trainer import weights
+        from kubejax.trainer import compile_cache, weights
         from kubejax.trainer.predict import Predictor
 
+        # Each request shape compiles a program once in this process; with the cache, the
+        # server's other workers and its next start load it instead.
+        compile_cache.use_user_dir()
         settings = json.loads((model_dir / weights.SETTINGS_FILE).read_text())
         self.max_length = int(settings["max_length"])
         model, self.label_names = weights.load_model_dir(model_dir)

@@ -1,4 +1,4 @@
-"""The persistent-cache hook of the trainer's steps across JAX's `_cache_write` signatures."""
+"""The persistent-cache hook across JAX's `_cache_write` signatures."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ import pytest
 from jax._src import compilation_cache, compiler
 from jax._src import distributed as jax_distributed
 
-from kubejax.trainer import steps
+from kubejax.trainer import compile_cache
 
 
 def _jax_0_10(cache_key, compile_time_secs, module_name, backend, executable, callbacks):
@@ -38,7 +38,7 @@ def hooked(monkeypatch):
     def install(original, process_id):
         monkeypatch.setattr(compiler, "_cache_write", original)
         monkeypatch.setattr(jax_distributed.global_state, "process_id", process_id)
-        steps._every_cpu_process_writes_the_cache()
+        compile_cache._every_cpu_process_writes_the_cache()
         return compiler._cache_write, puts
 
     yield install

@@ -3,7 +3,6 @@ evaluation step. Training, evaluation and the served model all use these."""
 
 from __future__ import annotations
 
-import os
 from functools import partial
 
 import jax
@@ -151,71 +150,6 @@ def _gradients(graphdef, params, batch, key, budget: int):
     zeros = jax.tree.map(jnp.zeros_like, params)
     grads, (loss, acc) = jax.lax.scan(micro, zeros, (batch, jnp.arange(accum)))
     return loss.mean(), acc.mean(), jax.tree.map(lambda g: g / accum, grads)
-
-
-def cache_every_program() -> None:
-    """Keep every compiled program in JAX's persistent cache (when one is set), not only those
-    that took over 1 s: the dozen small ones (optimizer init, key folding) cost each sweep
-    trial 1 s, and an evaluation step compiles in 0.6 s per length bucket. A
-    JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS the user set is kept. Every CPU process of a
-    job writes its own programs (`_every_cpu_process_writes_the_cache`)."""
-    if "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS" not in os.environ:
-        jax.config.update("jax_persistent_cache_min_compile_time_secs", 0)
-    _every_cpu_process_writes_the_cache()
-
-
-def _every_cpu_process_writes_the_cache() -> None:
-    """Let processes other than 0 write their CPU programs to the persistent cache too.
-
-    JAX writes entries from process 0 alone, so that processes do not write one key at once.
-    On CPU the keys are each process's own (its device ids are in them), so process 1 never
-    found an entry: on a warm cache it still compiled every program while process 0 waited
-    for it at the first all-reduce. A 2-worker MiniLM job of 2 steps on 2 cores, warm cache:
-    30-34 s -> 11.4-11.8 s (bench/NOTES.md, attempt 31). No other process of the job writes
-    these keys. (JAX's private `_cache_write`, whose arguments changed between JAX 0.10 and
-    0.11: they are read by name, and JAX's own is kept where they are not the ones known;
-    test_two_processes_equal_one_process checks that a second job finds every program in the
-    cache on both workers.)
-    """
-    import inspect
-    import warnings
-
-    from jax._src import compilation_cache, compiler
-    from jax._src import distributed as jax_distributed
-
-    write = compiler._cache_write
-    signature = inspect.signature(write)
-    known = _CACHE_WRITE_ARGS.issubset(signature.parameters)
-    if getattr(write, "every_cpu_process", False) or not known:
-        return
-
-    def cache_write(*args, **kwargs):
-        a = signature.bind(*args, **kwargs).arguments
-        process = jax_distributed.global_state.process_id
-        if process == 0 or a["backend"].platform != "cpu":
-            return write(*args, **kwargs)
-        # What JAX does on process 0 (JAX 0.10 also skips programs with host callbacks).
-        seconds = a["compile_time_secs"]
-        if a.get("callbacks") or seconds < jax.config.jax_persistent_cache_min_compile_time_secs:
-            return None
-        try:
-            compilation_cache.put_executable_and_time(
-                a["cache_key"], a["module_name"], a["executable"], a["backend"], int(seconds)
-            )
-        except Exception as ex:  # as JAX's own write: a cache that fails is only slower
-            warnings.warn(
-                f"Error writing persistent compilation cache entry for {a['module_name']!r}: "
-                f"{type(ex).__name__}: {ex}",
-                stacklevel=2,
-            )
-        return None
-
-    cache_write.every_cpu_process = True
-    compiler._cache_write = cache_write
-
-
-#: The arguments of JAX's `_cache_write` that `_every_cpu_process_writes_the_cache` reads.
-_CACHE_WRITE_ARGS = {"cache_key", "compile_time_secs", "module_name", "backend", "executable"}
 
 
 def make_eval_step(graphdef, mesh):

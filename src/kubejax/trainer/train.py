@@ -34,10 +34,11 @@ from kubejax.data import dataset
 from kubejax.errors import KubejaxError
 from kubejax.trainer import distributed, weights
 from kubejax.trainer.checkpoint import Checkpointer
+from kubejax.trainer.compile_cache import cache_every_program
 from kubejax.trainer.config import ConfigError, TrainConfig
 from kubejax.trainer.model import BertClassifier, BertConfig, matrices_in
 from kubejax.trainer.outputs import METRICS_FILE, MODEL_DIR, UNDELIVERED_FILE
-from kubejax.trainer.steps import cache_every_program, make_eval_step, make_train_step
+from kubejax.trainer.steps import make_eval_step, make_train_step
 
 log = logging.getLogger("kubejax.trainer")
 
