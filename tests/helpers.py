@@ -7,6 +7,7 @@ equal computations agree only up to float32 rounding, scaled by the size of what
 
 from __future__ import annotations
 
+import os
 import socket
 import sys
 from pathlib import Path
@@ -17,6 +18,14 @@ import numpy as np
 #: query, and softmax is invariant to a per-query shift. What moves them is rounding noise
 #: (amplified by Adam's normalisation), whose size depends on the CPU's kernels.
 ZERO_GRADIENT_BY_SYMMETRY = ("attention.self.key.bias",)
+
+
+def env_with_no_jax_cache(cache_home: Path) -> dict[str, str]:
+    """This environment without the suite's JAX cache (tests/conftest.py) or a kubejax cache
+    folder, with XDG_CACHE_HOME at `cache_home`: a process started as a user would start it."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("JAX_COMP", "JAX_PERS"))}
+    env.pop("KUBEJAX_CACHE_DIR", None)
+    return env | {"XDG_CACHE_HOME": str(cache_home)}
 
 
 def trainer_cmd(*args: str) -> list[str]:

@@ -3,11 +3,9 @@
 from __future__ import annotations
 
 import json
-import os
 import shutil
 import subprocess
 import sys
-from pathlib import Path
 
 import numpy as np
 import pytest
@@ -19,6 +17,7 @@ from kubejax.evaluate import (
     evaluate_model,
     write_eval_report,
 )
+from tests.helpers import env_with_no_jax_cache
 
 
 def test_classification_metrics_agree_with_sklearn():
@@ -135,9 +134,7 @@ print(*(events.count(f"/jax/compilation_cache/cache_{e}") for e in ("hits", "mis
 def test_a_served_model_keeps_its_programs_in_the_user_cache(trained_tiny, tmp_path):
     # With no JAX cache set, every serving process compiled each request shape afresh (0.9-1.4
     # s on MiniLM); the next one (another worker, a restart) now loads them (0.27-0.45 s).
-    env = {k: v for k, v in os.environ.items() if not k.startswith(("JAX_COMP", "JAX_PERS"))}
-    env.pop("KUBEJAX_CACHE_DIR", None)
-    env["XDG_CACHE_HOME"] = str(tmp_path / "xdg")
+    env = env_with_no_jax_cache(tmp_path / "xdg")
     counts = []
     for _ in range(2):
         run = subprocess.run(
@@ -153,22 +150,3 @@ def test_a_served_model_keeps_its_programs_in_the_user_cache(trained_tiny, tmp_p
     assert hits == 0 and misses > 0
     assert (hits_after, misses_after) == (misses, 0)
     assert any((tmp_path / "xdg" / "kubejax" / "jax").iterdir())
-
-
-def test_the_served_model_keeps_a_cache_the_user_set_and_skips_one_it_cannot_make(
-    tmp_path, monkeypatch
-):
-    import jax
-
-    from kubejax.trainer import compile_cache
-
-    given = jax.config.jax_compilation_cache_dir  # the suite's (tests/conftest.py)
-    assert given and compile_cache.use_user_dir() == Path(given)
-    (tmp_path / "a-file").write_text("")
-    monkeypatch.setenv("KUBEJAX_CACHE_DIR", str(tmp_path / "a-file"))
-    try:
-        jax.config.update("jax_compilation_cache_dir", None)
-        assert compile_cache.use_user_dir() is None
-        assert jax.config.jax_compilation_cache_dir is None
-    finally:
-        jax.config.update("jax_compilation_cache_dir", given)

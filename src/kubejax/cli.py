@@ -310,7 +310,9 @@ def _add_evaluate(sub) -> None:
 
 def _evaluate(args) -> int:
     from kubejax.evaluate import evaluate_model, summary, write_eval_report
+    from kubejax.trainer.compile_cache import use_user_dir
 
+    use_user_dir()
     result = evaluate_model(
         args.model_dir, args.data_dir, args.split, args.batch_size, dtype=args.dtype
     )

@@ -212,9 +212,9 @@ def evaluate_task(
     it); log metrics, report and predictions into the training's MLflow run (or a new
     `evaluate` run), and the model as a pyfunc model when `log_model`."""
     from kubejax import tracking
-    from kubejax.trainer.compile_cache import cache_every_program
+    from kubejax.trainer.compile_cache import use_user_dir
 
-    cache_every_program()
+    use_user_dir()
     t0 = time.monotonic()
     result = evaluate_model(
         model_path, dataset_path, split=split, batch_size=batch_size, dtype=dtype

@@ -1,8 +1,9 @@
 """JAX's persistent compilation cache: where kubejax keeps it, and what it keeps.
 
-Trainer pods share one in the pipeline's workspace (`launchers.common`), local runs and the
-served model one in the user's cache folder (`user_dir`). JAX is imported where it is used,
-so that `user_dir` costs a local run's parent process no JAX start.
+A pipeline's trainer pods share one in its workspace (`launchers.common`); local runs, and the
+trainer, the evaluation and the served model wherever they start without one, use the user's
+cache folder (`user_dir`). JAX is imported where it is used, so that `user_dir` costs a local
+run's parent process no JAX start.
 """
 
 from __future__ import annotations
@@ -26,18 +27,19 @@ def use_user_dir() -> Path | None:
     returns the folder (None: no cache). JAX reads the folder at its first compile: call this
     before.
 
-    For the served model: each request shape is a program, 0.9-1.4 s to compile the first
-    time (MiniLM, 2 cores) and 0.27-0.45 s to load from this cache in the next process (the
-    server's other workers, its next start, a batch job), bench/NOTES.md, attempt 59.
+    Without it, every process that set no cache compiled afresh: each trial of `kubejax tune`
+    or job of `kubejax launch`, each `kubejax evaluate`, and each process serving the MLflow
+    model, where a request shape is a program (MiniLM, 2 cores: 0.93-1.40 s a first request,
+    0.26-0.47 s from this cache; bench/NOTES.md, attempts 59 and 60).
     """
     import jax
 
     folder = jax.config.jax_compilation_cache_dir
     if not folder:
-        path = user_dir()
         try:
+            path = user_dir()
             path.mkdir(parents=True, exist_ok=True)
-        except OSError:
+        except (OSError, RuntimeError):  # RuntimeError: no home folder to be found
             return None
         if not os.access(path, os.W_OK | os.X_OK):  # a read-only home: JAX would warn a program
             return None

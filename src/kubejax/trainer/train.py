@@ -34,7 +34,7 @@ from kubejax.data import dataset
 from kubejax.errors import KubejaxError
 from kubejax.trainer import distributed, weights
 from kubejax.trainer.checkpoint import Checkpointer
-from kubejax.trainer.compile_cache import cache_every_program
+from kubejax.trainer.compile_cache import use_user_dir
 from kubejax.trainer.config import ConfigError, TrainConfig
 from kubejax.trainer.model import BertClassifier, BertConfig, matrices_in
 from kubejax.trainer.outputs import METRICS_FILE, MODEL_DIR, UNDELIVERED_FILE
@@ -642,7 +642,7 @@ def main(argv: list[str] | None = None) -> int:
     from kubejax.trainer.config import from_args
 
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
-    cache_every_program()
+    use_user_dir()
     try:
         cfg = from_args(argv)
         train_and_evaluate(cfg)

@@ -1,7 +1,10 @@
-"""The persistent-cache hook across JAX's `_cache_write` signatures."""
+"""JAX's persistent compilation cache: the user's folder where none is set, and the hook that
+lets every CPU process write to it across JAX's `_cache_write` signatures."""
 
 from __future__ import annotations
 
+import subprocess
+from pathlib import Path
 from types import SimpleNamespace
 
 import jax
@@ -10,6 +13,7 @@ from jax._src import compilation_cache, compiler
 from jax._src import distributed as jax_distributed
 
 from kubejax.trainer import compile_cache
+from tests.helpers import env_with_no_jax_cache, tiny_args, trainer_cmd
 
 
 def _jax_0_10(cache_key, compile_time_secs, module_name, backend, executable, callbacks):
@@ -69,3 +73,29 @@ def test_process_0_keeps_jax_s_own_write(hooked):
 def test_a_jax_whose_cache_write_takes_other_arguments_is_left_alone(hooked):
     write, _ = hooked(_unknown, process_id=1)
     assert write is _unknown
+
+
+def test_a_trainer_started_without_a_cache_keeps_its_programs_in_the_user_cache(
+    tiny_model_dir, prepared, tmp_path
+):
+    # `kubejax tune` and `kubejax launch` start trainers with no cache of their own: each trial
+    # compiled every program afresh.
+    env = env_with_no_jax_cache(tmp_path / "xdg")
+    args = tiny_args(tiny_model_dir, prepared, tmp_path / "out", max_steps=1)
+    run = subprocess.run(trainer_cmd(*args), env=env, capture_output=True, text=True, timeout=300)
+    assert run.returncode == 0, run.stderr[-3000:]
+    entries = list((tmp_path / "xdg" / "kubejax" / "jax").iterdir())
+    assert len(entries) >= 3  # the train and evaluation steps, the optimizer's set-up
+
+
+def test_a_cache_the_user_set_is_kept_and_one_that_cannot_be_made_is_skipped(tmp_path, monkeypatch):
+    given = jax.config.jax_compilation_cache_dir  # the suite's (tests/conftest.py)
+    assert given and compile_cache.use_user_dir() == Path(given)
+    (tmp_path / "a-file").write_text("")
+    monkeypatch.setenv("KUBEJAX_CACHE_DIR", str(tmp_path / "a-file"))
+    try:
+        jax.config.update("jax_compilation_cache_dir", None)
+        assert compile_cache.use_user_dir() is None
+        assert jax.config.jax_compilation_cache_dir is None
+    finally:
+        jax.config.update("jax_compilation_cache_dir", given)
