@@ -115,13 +115,3 @@ def test_run_log_verbose_shows_everything(tmp_path):
     with RunLog(tmp_path / "run.log", terminal, verbose=True):
         print(KFP_LINES, end="")
     assert terminal.getvalue() == KFP_LINES
-
-
-def test_compilation_cache_lives_in_the_user_cache(tmp_path, monkeypatch):
-    from kubejax.trainer.compile_cache import user_dir
-
-    monkeypatch.delenv("KUBEJAX_CACHE_DIR", raising=False)
-    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "xdg"))
-    assert user_dir() == tmp_path / "xdg" / "kubejax" / "jax"
-    monkeypatch.setenv("KUBEJAX_CACHE_DIR", str(tmp_path / "mine"))
-    assert user_dir() == tmp_path / "mine" / "jax"

@@ -75,6 +75,14 @@ def test_a_jax_whose_cache_write_takes_other_arguments_is_left_alone(hooked):
     assert write is _unknown
 
 
+def test_compilation_cache_lives_in_the_user_cache(tmp_path, monkeypatch):
+    monkeypatch.delenv("KUBEJAX_CACHE_DIR", raising=False)
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "xdg"))
+    assert compile_cache.user_dir() == tmp_path / "xdg" / "kubejax" / "jax"
+    monkeypatch.setenv("KUBEJAX_CACHE_DIR", str(tmp_path / "mine"))
+    assert compile_cache.user_dir() == tmp_path / "mine" / "jax"
+
+
 def test_a_trainer_started_without_a_cache_keeps_its_programs_in_the_user_cache(
     tiny_model_dir, prepared, tmp_path
 ):
