@@ -1,8 +1,9 @@
 """The GPU benchmark (bench/gpu.sh, benchmarks/bench_gpu.py), checked on this CPU: its smoke run
 measures both sides with a tiny model, and without a GPU it stops with a clear error and writes
 nothing; the machine line every benchmark writes names the CPU's family, model and matrix
-features; the data-parallel figure is the median of alternated rounds. (`make bench`'s CPU
-benchmarks are measurement, not tests.)"""
+features; the data-parallel figure is the median of alternated rounds; the bare-step benchmark
+runs in the jobs' environment and writes what it is asked to. (`make bench`'s CPU benchmarks
+are measurement, not tests.)"""
 
 from __future__ import annotations
 
@@ -14,6 +15,8 @@ import shutil
 import subprocess
 import sys
 from pathlib import Path
+
+import pytest
 
 ROOT = Path(__file__).parents[1]
 BENCH_GPU = ROOT / "benchmarks" / "bench_gpu.py"
@@ -144,3 +147,38 @@ def test_the_data_parallel_figure_is_the_median_of_alternated_rounds():
     assert figures["dp_one_process_one_core_examples_per_s"] == 17.0
     assert figures["dp_two_processes_examples_per_s"] == 27.2
     assert figures["dp_scaling_efficiency_mean_of_steps"] == round(26.0 / 32.0, 3)
+
+
+BENCH_STEP = ROOT / "benchmarks" / "bench_step.py"
+
+
+def test_the_step_benchmark_times_steps_in_the_jobs_environment(tmp_path, tiny_model_dir):
+    # Started without the jobs' malloc setting, it re-executes itself with it, and says so.
+    env = {k: v for k, v in os.environ.items() if k != "GLIBC_TUNABLES"}
+    env["XLA_FLAGS"] = "--xla_cpu_enable_fast_math=false"
+    trace, hlo = tmp_path / "trace", tmp_path / "step.hlo"
+    args = ["--model", str(tiny_model_dir), "--batch", "4", "--length", "32", "--steps", "2"]
+    run = subprocess.run(
+        [sys.executable, str(BENCH_STEP), *args, "--trace", str(trace), "--hlo", str(hlo)],
+        capture_output=True, text=True, timeout=300, env=env,
+    )  # fmt: skip
+    assert run.returncode == 0, run.stderr[-3000:]
+    result = json.loads(run.stdout)
+    assert (result["batch"], result["length"], result["steps"]) == (4, 32, 2)
+    assert 0 < result["step_s_min"] <= result["step_s_median"]
+    # examples/s from the unrounded median: the rounded one is 4 decimals of a few ms.
+    assert result["examples_per_s"] == pytest.approx(4 / result["step_s_median"], rel=0.02)
+    assert result["peak_rss_gb"] > 0 and result["cpu_per_wall"] > 0
+    assert "glibc.malloc.hugetlb=1" in result["glibc_tunables"]
+    assert result["xla_flags"] == env["XLA_FLAGS"]
+    assert list(trace.rglob("*.trace.json.gz")), "no profiler trace written"
+    assert "ENTRY" in hlo.read_text()
+
+
+def test_the_step_benchmark_refuses_a_step_count_below_one(tmp_path):
+    run = subprocess.run(
+        [sys.executable, str(BENCH_STEP), "--steps", "0"], capture_output=True, text=True
+    )
+    assert run.returncode == 2
+    assert "--steps: must be at least 1, got 0" in run.stderr
+    assert run.stdout == ""
