@@ -43,18 +43,17 @@ def measure(args: argparse.Namespace) -> dict:
     import numpy as np
     from flax import nnx
 
-    from kubejax.trainer import distributed, steps, weights
+    from kubejax.trainer import distributed, steps
     from kubejax.trainer.config import TrainConfig
-    from kubejax.trainer.train import make_optimizer
+    from kubejax.trainer.train import classifier_for, make_optimizer
 
-    model_dir = weights.resolve_model_dir(args.model or default_model())
-    cfg = weights.load_config(model_dir)
-    cfg.hidden_dropout_prob = cfg.attention_probs_dropout_prob = args.dropout
-    cfg.classifier_dropout = args.dropout
-    dtype = jnp.bfloat16 if args.dtype == "bfloat16" else jnp.float32
-    model, _ = weights.from_pretrained(cfg, 5, weights.read_tensors(model_dir), dtype, 0)
+    cfg = TrainConfig(
+        model=args.model or default_model(), data_dir="-", output_dir="-",
+        dropout=args.dropout, dtype=args.dtype,
+    )  # fmt: skip
+    model, _, _ = classifier_for(cfg, 5)  # the trainer's model, as the trainer builds it
     graphdef, params = nnx.split(model)
-    tx = make_optimizer(TrainConfig(model=str(model_dir), data_dir="-", output_dir="-"))
+    tx = make_optimizer(cfg)
     mesh = distributed.data_mesh()
     params = distributed.replicate(params, mesh)
     opt_state = distributed.replicate(tx.init(params), mesh)
@@ -62,7 +61,7 @@ def measure(args: argparse.Namespace) -> dict:
     rng = np.random.default_rng(0)
     shape = (1, args.batch, args.length)
     batch = {
-        "input_ids": rng.integers(1000, cfg.vocab_size, shape).astype(np.int32),
+        "input_ids": rng.integers(1000, model.config.vocab_size, shape).astype(np.int32),
         "attention_mask": np.ones(shape, np.int32),
         "labels": rng.integers(0, 5, shape[:2]).astype(np.int32),
     }

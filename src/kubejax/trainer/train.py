@@ -54,7 +54,7 @@ class DivergedError(KubejaxError, RuntimeError):
 def build_model(cfg: TrainConfig, data: TrainData) -> tuple[BertClassifier, Path | None, list]:
     """The classifier with pretrained weights (or fresh for 'scratch'), its tokenizer folder and
     the parts initialised fresh; refused when the data's rows are longer than its positions."""
-    model, tokenizer_dir, fresh = _build_model(cfg, data.num_labels)
+    model, tokenizer_dir, fresh = classifier_for(cfg, data.num_labels)
     positions = model.config.max_position_embeddings
     longest = int(max(data.train.lengths.max(), data.val.lengths.max(initial=0)))
     padded = dataset.bucket_length(longest, cfg.bucket_multiple, cfg.max_length)
@@ -67,7 +67,9 @@ def build_model(cfg: TrainConfig, data: TrainData) -> tuple[BertClassifier, Path
     return model, tokenizer_dir, fresh
 
 
-def _build_model(cfg: TrainConfig, num_labels: int):
+def classifier_for(cfg: TrainConfig, num_labels: int) -> tuple[BertClassifier, Path | None, list]:
+    """The classifier of `cfg.model` (pretrained weights, or fresh for 'scratch') in `cfg.dtype`
+    with `cfg.dropout`, its tokenizer folder and the parts initialised fresh."""
     from safetensors import SafetensorError
 
     dtype = jnp.bfloat16 if cfg.dtype == "bfloat16" else jnp.float32
