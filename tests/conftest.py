@@ -87,8 +87,8 @@ def tiny_model_dir(tmp_path_factory, minilm_dir) -> Path:
     """A tiny random BERT checkpoint folder (HF layout) with MiniLM's tokenizer."""
     from flax import nnx
 
-    from kubejax.trainer.model import BertClassifier, BertConfig
-    from kubejax.trainer.weights import save_model_dir
+    from kubejax.models.bert import BertClassifier, BertConfig
+    from kubejax.models.weights import save_model_dir
 
     out = tmp_path_factory.mktemp("tiny") / "tiny-bert"
     model = BertClassifier(BertConfig(**TINY_CONFIG), 5, rngs=nnx.Rngs(0))
@@ -182,3 +182,34 @@ def mlflow_server(tmp_path_factory):
     server = MlflowServer(tmp_path_factory.mktemp("mlflow")).start()
     yield server.uri
     server.stop()
+
+
+@pytest.fixture(scope="session")
+def tiny_decoder_dir(tmp_path_factory) -> Path:
+    """A tiny random Qwen2 checkpoint (transformers' `Qwen2ForCausalLM`, float32) with a tiny
+    byte-level BPE tokenizer: a base decoder to fine-tune."""
+    from tests.models.decoders import save_tiny, save_tiny_tokenizer
+
+    out = tmp_path_factory.mktemp("tiny") / "tiny-qwen2"
+    vocab = save_tiny_tokenizer(out)
+    save_tiny("qwen2", out, vocab_size=vocab, max_position_embeddings=128)
+    return out
+
+
+@pytest.fixture(scope="session")
+def prepared_decoder(tmp_path_factory, yelp_dir, tiny_decoder_dir) -> Path:
+    """The synthetic data prepared with the tiny decoder's tokenizer at max_length 64."""
+    from kubejax.data.prepare import PrepareConfig, prepare_yelp
+
+    out = tmp_path_factory.mktemp("prepared") / "decoder-data"
+    prepare_yelp(
+        PrepareConfig(
+            tokenizer=str(tiny_decoder_dir),
+            source=str(yelp_dir),
+            max_length=64,
+            max_validation_samples=150,
+        ),
+        out,
+        progress=False,
+    )
+    return out

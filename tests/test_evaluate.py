@@ -91,7 +91,7 @@ def test_the_served_model_compiles_each_request_shape_once(trained_tiny, monkeyp
     import pandas as pd
 
     from kubejax.mlflow_model import BertTextClassifier
-    from kubejax.trainer.model import BertClassifier
+    from kubejax.models.bert import BertClassifier
 
     served = BertTextClassifier()
     served._load(trained_tiny / "model")

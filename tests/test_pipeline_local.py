@@ -222,7 +222,14 @@ def test_compiled_pipeline_parses_as_kfp_protos(name):
         for k, v in executors.items()
     }
     train = configs["exec-train"]
-    assert train.secret_as_env[0].secret_name == "mlflow-credentials"
+    # Secrets as env, optional: MLflow's credentials, and the Hugging Face token for gated
+    # models on the steps that download one (never a parameter).
+    secrets = {s.secret_name: s for s in train.secret_as_env}
+    assert set(secrets) == {"mlflow-credentials", "hf-token"}
+    assert [e.env_var for e in secrets["hf-token"].key_to_env] == ["HF_TOKEN"]
+    assert secrets["hf-token"].optional
+    prepare = configs["exec-prepare-yelp"]
+    assert [s.secret_name for s in prepare.secret_as_env] == ["hf-token"]
     # Worker placement (the GPU profile): pipeline parameters, on the train and sweep tasks.
     placed = ["exec-train", "exec-tune-sweep"] if name == "kubejax-yelp" else ["exec-train"]
     for executor in placed:

@@ -14,7 +14,7 @@ import numpy as np
 from kubejax import report
 from kubejax.data import dataset
 from kubejax.errors import KubejaxError
-from kubejax.trainer import weights
+from kubejax.models import weights
 from kubejax.trainer.config import DTYPES
 from kubejax.trainer.predict import predict_logits, use_cpu_cores_as_devices
 

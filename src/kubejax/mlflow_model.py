@@ -30,7 +30,8 @@ class BertTextClassifier(mlflow.pyfunc.PythonModel):
 
     def _load(self, model_dir: Path) -> None:
         from kubejax.data.tokenizer import load_tokenizer
-        from kubejax.trainer import compile_cache, weights
+        from kubejax.models import weights
+        from kubejax.trainer import compile_cache
         from kubejax.trainer.predict import Predictor
 
         # Each request shape compiles a program once in this process; with the cache, the

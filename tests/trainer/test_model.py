@@ -14,8 +14,8 @@ import torch
 from flax import nnx
 from transformers import BertConfig, BertForSequenceClassification, BertModel
 
-from kubejax.trainer import weights
-from kubejax.trainer.model import BertClassifier
+from kubejax.models import weights
+from kubejax.models.bert import BertClassifier
 from tests.helpers import ZERO_GRADIENT_BY_SYMMETRY, assert_close_to_scale
 
 torch.manual_seed(0)
@@ -250,8 +250,8 @@ def test_the_cpu_evaluation_step_keeps_xlas_default_ynnpack_fusions(minilm_dir):
     # also hand YNNPACK the reductions and the softmax around the attention products.
     import jax.numpy as jnp
 
+    from kubejax.models.bert import matrices_in
     from kubejax.trainer import distributed
-    from kubejax.trainer.model import matrices_in
     from kubejax.trainer.steps import make_eval_step
 
     cfg = weights.load_config(minilm_dir)
@@ -280,8 +280,8 @@ def test_the_cpu_train_step_gives_ynnpack_every_weight_gradient_product(minilm_d
     # backward transposes one operand first (bench/NOTES.md).
     import optax
 
+    from kubejax.models.bert import Dense
     from kubejax.trainer import distributed
-    from kubejax.trainer.model import Dense
     from kubejax.trainer.steps import make_train_step
 
     model, _ = _ours(minilm_dir)
@@ -405,7 +405,7 @@ def test_off_cpu_bfloat16_products_return_bfloat16(monkeypatch):
     import jax
     import jax.numpy as jnp
 
-    from kubejax.trainer.model import dense, matmul
+    from kubejax.models.bert import dense, matmul
 
     def dots() -> list[tuple[str, str, str]]:
         """The operand and result types of the products of a dense layer and an attention
@@ -473,7 +473,7 @@ def test_a_piece_is_the_most_rows_dividing_the_batch_within_the_token_budget(
 
 
 def _tiny_classifier(dropout: float = 0.0):
-    from kubejax.trainer.model import BertConfig as OurConfig
+    from kubejax.models.bert import BertConfig as OurConfig
 
     cfg = OurConfig(
         hidden_size=32, num_hidden_layers=2, num_attention_heads=2, intermediate_size=64,
@@ -547,7 +547,7 @@ def test_the_cpu_train_step_keeps_its_temporaries_to_a_piece(monkeypatch):
 def test_dropout_bits_look_independent_and_uniform():
     import jax
 
-    from kubejax.trainer.model import dropout_bits
+    from kubejax.models.bert import dropout_bits
 
     bits = np.asarray(dropout_bits(jax.random.key(0), (64, 99, 101)))  # odd element count
     assert bits.dtype == np.uint16 and bits.shape == (64, 99, 101)
@@ -572,7 +572,7 @@ def test_dropout_bits_look_independent_and_uniform():
 def test_dropout_zeroes_the_rate_and_keeps_the_mean():
     import jax.numpy as jnp
 
-    from kubejax.trainer.model import Dropout
+    from kubejax.models.bert import Dropout
 
     x = jnp.ones((512, 1024))
     y = np.asarray(Dropout(0.1)(x, deterministic=False, rngs=nnx.Rngs(dropout=3)))
@@ -588,7 +588,7 @@ def test_off_cpu_dropout_bits_are_the_cpu_bits(monkeypatch):
     # Off CPU each element hashes its own half-word (so XLA can fuse the mask): the same bits.
     import jax
 
-    from kubejax.trainer.model import dropout_bits
+    from kubejax.models.bert import dropout_bits
 
     shapes = [(7,), (3, 5, 9), (2, 4, 64, 64)]
     on_cpu = [np.asarray(dropout_bits(jax.random.key(5), s)) for s in shapes]
@@ -603,7 +603,7 @@ def test_softmax_dropout_equals_softmax_then_dropout_and_its_gradient():
     import jax
     import jax.numpy as jnp
 
-    from kubejax.trainer.model import Dropout, softmax_dropout
+    from kubejax.models.bert import Dropout, softmax_dropout
 
     rng = np.random.default_rng(0)
     scores = rng.normal(0, 3, (2, 3, 16, 24)).astype(np.float32)
@@ -642,7 +642,7 @@ def test_off_cpu_training_gives_the_cpu_forms_loss_and_gradients(monkeypatch):
     # the float32 train loss and gradients of the CPU form.
     import jax
 
-    from kubejax.trainer import model as ours
+    from kubejax.models import bert as ours
     from kubejax.trainer.steps import loss_fn
 
     model = _tiny_classifier(dropout=0.1)

@@ -287,7 +287,7 @@ from flax import nnx
 from jax.sharding import Mesh
 from kubejax.trainer import distributed, train
 from kubejax.trainer.config import TrainConfig
-from kubejax.trainer.model import BertClassifier, BertConfig
+from kubejax.models.bert import BertClassifier, BertConfig
 from kubejax.trainer.steps import make_train_step
 cfg = BertConfig(hidden_size=32, num_hidden_layers=2, num_attention_heads=2, intermediate_size=64,
                  vocab_size=100, hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0)
@@ -303,7 +303,7 @@ for n in (1, 2):
     graphdef, params = nnx.split(BertClassifier(cfg, 5, rngs=nnx.Rngs(0)))
     params = distributed.replicate(params, mesh)
     opt_state = tx.init(params)
-    step = make_train_step(graphdef, tx, mesh, 0)
+    step = make_train_step(graphdef, tx, mesh, 0, BertClassifier.sparse_embedding)
     batch = distributed.global_batch(local, mesh, leading=1)
     hlo = step.lower(params, opt_state, batch, 0, np.float32(1e-3)).compile().as_text()
     params, _, metrics = step(params, opt_state, batch, 0, np.float32(1e-3))
@@ -345,7 +345,7 @@ import json, numpy as np, jax
 from flax import nnx
 from jax.sharding import Mesh
 from kubejax.trainer import distributed, steps
-from kubejax.trainer.model import BertClassifier, BertConfig
+from kubejax.models.bert import BertClassifier, BertConfig
 cfg = BertConfig(hidden_size=32, num_hidden_layers=2, num_attention_heads=2, intermediate_size=64,
                  vocab_size=100, max_position_embeddings=256)
 graphdef, params = nnx.split(BertClassifier(cfg, 5, rngs=nnx.Rngs(0)))
@@ -382,7 +382,7 @@ _TWO_DEVICE_PREDICT = """
 import json, numpy as np, jax
 from flax import nnx
 from kubejax.data.dataset import TokenizedSplit
-from kubejax.trainer.model import BertClassifier, BertConfig
+from kubejax.models.bert import BertClassifier, BertConfig
 from kubejax.trainer.predict import predict_logits
 cfg = BertConfig(hidden_size=32, num_hidden_layers=2, num_attention_heads=2, intermediate_size=64,
                  vocab_size=100, max_position_embeddings=64)
@@ -418,8 +418,8 @@ def test_bfloat16_predictions_cast_the_weights_once_not_in_every_batch(monkeypat
     from flax import nnx
 
     from kubejax.data.dataset import TokenizedSplit
+    from kubejax.models.bert import BertClassifier, BertConfig
     from kubejax.trainer import predict
-    from kubejax.trainer.model import BertClassifier, BertConfig
 
     cfg = BertConfig(hidden_size=32, num_hidden_layers=2, num_attention_heads=2,
                      intermediate_size=64, vocab_size=100, max_position_embeddings=64)  # fmt: skip
@@ -664,8 +664,8 @@ def test_validation_packs_short_reviews_and_gives_each_its_own_loss():
     from flax import nnx
 
     from kubejax.data.dataset import TokenizedSplit
+    from kubejax.models.bert import BertClassifier, BertConfig
     from kubejax.trainer import distributed
-    from kubejax.trainer.model import BertClassifier, BertConfig
     from kubejax.trainer.steps import make_eval_step
     from kubejax.trainer.train import evaluate_split
 

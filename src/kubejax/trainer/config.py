@@ -26,6 +26,9 @@ OPTIMIZER_SETTINGS = {
     "decay_rate": ("adafactor",),
 }
 DTYPES = ("float32", "bfloat16")
+#: Training tasks. (The decoders' language-model head loads and exports already; training it
+#: on prompts and answers is the next step of the decoder work.)
+TASKS = ("classification",)
 
 
 class ConfigError(KubejaxError, ValueError):
@@ -40,7 +43,14 @@ class TrainConfig:
         "", "HF hub id or local HF folder to fine-tune, or 'scratch' (see scratch_config)"
     )
     scratch_config: str = _f(
-        "", "JSON BertConfig fields for model='scratch', e.g. '{\"hidden_size\": 64}'"
+        "",
+        "JSON config fields for model='scratch': a BertConfig's, e.g. '{\"hidden_size\": 64}', "
+        'or a decoder\'s with its model_type, e.g. \'{"model_type": "qwen2", ...}\'',
+    )
+    task: str = _f(
+        "classification",
+        "classification: a sequence-classification head on the model (BERT's pooler and "
+        "classifier; a decoder's `score` read at each review's last token)",
     )
     tokenizer: str = _f(
         "", "tokenizer folder or hub id; default: the model's (for 'scratch': required)"
@@ -131,6 +141,8 @@ class TrainConfig:
             raise ConfigError(f"data_dir: {self.data_dir!r} does not exist")
         if not self.output_dir:
             raise ConfigError("output_dir: required")
+        if self.task not in TASKS:
+            raise ConfigError(f"task: {self.task!r} is not one of {', '.join(TASKS)}")
         if self.dtype not in DTYPES:
             raise ConfigError(f"dtype: {self.dtype!r} is not one of {', '.join(DTYPES)}")
         self._validate_optimizer()

@@ -11,8 +11,8 @@ import numpy as np
 from flax import nnx
 
 from kubejax.data import dataset
+from kubejax.models.bert import matrices_in
 from kubejax.trainer import distributed
-from kubejax.trainer.model import matrices_in
 from kubejax.trainer.steps import make_eval_step
 
 #: Rows of a batch each CPU device takes at least when evaluation splits it over the cores.

@@ -50,9 +50,11 @@ def _piece_budget(mesh) -> int:
     return CPU_PIECE_TOKENS if mesh.devices.flat[0].platform == "cpu" else 0
 
 
-def make_train_step(graphdef, tx, mesh, seed: int):
+def make_train_step(graphdef, tx, mesh, seed: int, sparse_embedding: str | None = None):
     """One optimizer step over a global batch [accum, micro, length] at the given learning rate;
-    state is donated."""
+    state is donated. `sparse_embedding`: the path of an embedding table whose gradient has
+    rows only at the batch's tokens (the model's `sparse_embedding`), exchanged as those rows
+    between data-parallel devices; None: every gradient exchanged whole."""
     rep = distributed.replicated(mesh)
     base_key = jax.random.key(seed)
     budget = _piece_budget(mesh)
@@ -64,7 +66,9 @@ def make_train_step(graphdef, tx, mesh, seed: int):
         if mesh.size == 1:
             loss, acc, grads = _gradients(graphdef, params, batch, key, budget)
         else:
-            loss, acc, grads = _data_parallel_gradients(graphdef, mesh, params, batch, key, budget)
+            loss, acc, grads = _data_parallel_gradients(
+                graphdef, mesh, params, batch, key, budget, sparse_embedding
+            )
         hyperparams = {**opt_state.hyperparams, "learning_rate": learning_rate}
         updates, opt_state = tx.update(grads, opt_state._replace(hyperparams=hyperparams), params)
         params = optax.apply_updates(params, updates)
@@ -79,11 +83,7 @@ def make_train_step(graphdef, tx, mesh, seed: int):
     return train_step
 
 
-#: The word-embedding table's path in the parameters; its gradient is exchanged sparsely.
-WORD_EMBEDDING = "['bert']['embeddings']['word']['embedding']"
-
-
-def _data_parallel_gradients(graphdef, mesh, params, batch, key, budget: int):
+def _data_parallel_gradients(graphdef, mesh, params, batch, key, budget: int, sparse_embedding):
     """Each device's gradients of its share of the batch, averaged over the devices in one
     all-reduce: every dense gradient as one flat buffer, and of the word-embedding table only
     the rows of the batch's tokens.
@@ -108,7 +108,10 @@ def _data_parallel_gradients(graphdef, mesh, params, batch, key, budget: int):
         paths, treedef = jax.tree_util.tree_flatten_with_path(grads)
         names = [jax.tree_util.keystr(path).removesuffix(".value") for path, _ in paths]
         leaves = [leaf for _, leaf in paths]
-        word = names.index(WORD_EMBEDDING)
+        if sparse_embedding is None:
+            loss, acc, grads = jax.lax.pmean((loss, acc, grads), axis)
+            return loss, acc, grads
+        word = names.index(sparse_embedding)
         flat, unravel = jax.flatten_util.ravel_pytree(leaves[:word] + leaves[word + 1 :])
         # Every device's token ids; each device's gradient rows at all of them, summed: the
         # table's whole gradient, since rows of tokens outside every batch are zero everywhere.

@@ -32,11 +32,12 @@ from flax import nnx
 from kubejax import monitoring, report, tracking
 from kubejax.data import dataset
 from kubejax.errors import KubejaxError
-from kubejax.trainer import distributed, weights
+from kubejax.models import weights
+from kubejax.models.bert import BertClassifier, BertConfig, matrices_in
+from kubejax.trainer import distributed
 from kubejax.trainer.checkpoint import Checkpointer
 from kubejax.trainer.compile_cache import use_user_dir
 from kubejax.trainer.config import ConfigError, TrainConfig
-from kubejax.trainer.model import BertClassifier, BertConfig, matrices_in
 from kubejax.trainer.outputs import METRICS_FILE, MODEL_DIR, UNDELIVERED_FILE
 from kubejax.trainer.steps import make_eval_step, make_train_step
 
@@ -51,7 +52,7 @@ class DivergedError(KubejaxError, RuntimeError):
 # Model and optimizer
 
 
-def build_model(cfg: TrainConfig, data: TrainData) -> tuple[BertClassifier, Path | None, list]:
+def build_model(cfg: TrainConfig, data: TrainData) -> tuple[nnx.Module, Path | None, list]:
     """The classifier with pretrained weights (or fresh for 'scratch'), its tokenizer folder and
     the parts initialised fresh; refused when the data's rows are longer than its positions."""
     model, tokenizer_dir, fresh = classifier_for(cfg, data.num_labels)
@@ -67,46 +68,78 @@ def build_model(cfg: TrainConfig, data: TrainData) -> tuple[BertClassifier, Path
     return model, tokenizer_dir, fresh
 
 
-def classifier_for(cfg: TrainConfig, num_labels: int) -> tuple[BertClassifier, Path | None, list]:
-    """The classifier of `cfg.model` (pretrained weights, or fresh for 'scratch') in `cfg.dtype`
-    with `cfg.dropout`, its tokenizer folder and the parts initialised fresh."""
+def classifier_for(cfg: TrainConfig, num_labels: int) -> tuple[nnx.Module, Path | None, list]:
+    """The model of `cfg.model` for `cfg.task` (pretrained weights, or fresh for 'scratch') in
+    `cfg.dtype` with `cfg.dropout`, its tokenizer folder and the parts initialised fresh."""
     from safetensors import SafetensorError
 
     dtype = jnp.bfloat16 if cfg.dtype == "bfloat16" else jnp.float32
-    if cfg.model == "scratch":
-        try:
-            model_cfg = BertConfig.from_dict(json.loads(cfg.scratch_config or "{}"), strict=True)
-        except ValueError as err:
-            raise ConfigError(f"scratch_config: {err}") from err
-        model_dir, tensors = None, None
-    else:
-        try:
+    model_dir = None
+    try:
+        if cfg.model == "scratch":
+            model_cfg = _scratch_config(cfg.scratch_config)
+        else:
             model_dir = weights.resolve_model_dir(cfg.model)
             model_cfg = weights.load_config(model_dir)
-            tensors = weights.read_tensors(model_dir)
-        except (OSError, RuntimeError, ValueError, TypeError, SafetensorError) as err:
-            raise ConfigError(f"model: {cfg.model}: {err}") from err
-    if cfg.dropout is not None:
-        model_cfg.hidden_dropout_prob = cfg.dropout
-        model_cfg.attention_probs_dropout_prob = cfg.dropout
-        model_cfg.classifier_dropout = cfg.dropout
-    if tensors is None:
-        model, fresh = (
-            BertClassifier(model_cfg, num_labels, dtype, rngs=nnx.Rngs(cfg.seed)),
-            ["all"],
-        )
+    except (OSError, RuntimeError, ValueError, TypeError) as err:
+        if cfg.model == "scratch":
+            raise ConfigError(f"scratch_config: {err}") from err
+        raise ConfigError(f"model: {cfg.model}: {err}") from err
+    try:
+        weights.check_task(model_cfg, cfg.task)
+    except ValueError as err:
+        raise ConfigError(str(err)) from err
+    _apply_dropout(cfg, model_cfg)
+    if model_dir is None:
+        model, fresh = _fresh_model(cfg, model_cfg, num_labels, dtype), ["all"]
     else:
         # Only the checkpoint's errors are named as such: a tensor missing, or of the wrong
         # shape or type. (An error of JAX's was once reported as a bad checkpoint.)
         try:
-            model, fresh = weights.from_pretrained(model_cfg, num_labels, tensors, dtype, cfg.seed)
-        except (KeyError, TypeError, ValueError) as err:
-            unusable = f"model: {cfg.model} is not a usable BERT checkpoint"
-            raise ConfigError(f"{unusable} ({err})") from err
+            model, fresh = weights.from_checkpoint(
+                model_dir, model_cfg, cfg.task, num_labels, dtype, cfg.seed
+            )
+        except (KeyError, TypeError, ValueError, OSError, SafetensorError) as err:
+            family = "BERT" if model_cfg.model_type == "bert" else model_cfg.model_type
+            unusable = f"model: {cfg.model} is not a usable {family} checkpoint"
+            raise ConfigError(f"{unusable} ({str(err).removeprefix('model: ')})") from err
     tokenizer_dir = Path(cfg.tokenizer) if cfg.tokenizer else model_dir
     if tokenizer_dir is not None and not tokenizer_dir.is_dir():
         tokenizer_dir = weights.resolve_model_dir(str(tokenizer_dir))
     return model, tokenizer_dir, fresh
+
+
+def _scratch_config(text: str):
+    """The config of model='scratch': a decoder's when the JSON names its model_type."""
+    values = json.loads(text or "{}")
+    if values.get("model_type", "bert") == "bert":
+        return BertConfig.from_dict(values, strict=True)
+    from kubejax.models.decoder import DecoderConfig
+
+    return DecoderConfig.from_dict(values)
+
+
+def _apply_dropout(cfg: TrainConfig, model_cfg) -> None:
+    if cfg.dropout is None:
+        return
+    if weights.is_decoder(model_cfg):
+        if cfg.dropout:
+            raise ConfigError(
+                f"dropout: {cfg.dropout}, but decoder models train without dropout (as their "
+                "released configs do); leave it unset or 0"
+            )
+        return
+    model_cfg.hidden_dropout_prob = cfg.dropout
+    model_cfg.attention_probs_dropout_prob = cfg.dropout
+    model_cfg.classifier_dropout = cfg.dropout
+
+
+def _fresh_model(cfg: TrainConfig, model_cfg, num_labels: int, dtype) -> nnx.Module:
+    if weights.is_decoder(model_cfg):
+        from kubejax.models import decoder_weights
+
+        return decoder_weights.build(model_cfg, cfg.task, num_labels, dtype, cfg.seed)
+    return BertClassifier(model_cfg, num_labels, dtype, rngs=nnx.Rngs(cfg.seed))
 
 
 def make_schedule(cfg: TrainConfig, total_steps: int) -> optax.Schedule:
@@ -585,7 +618,7 @@ def train_and_evaluate(cfg: TrainConfig) -> dict:
         + (f"; resumed at step {start_step}" if start_step else "")
         + (f"; freshly initialised: {', '.join(fresh)}" if fresh else "")
     )
-    train_step = make_train_step(graphdef, tx, mesh, cfg.seed)
+    train_step = make_train_step(graphdef, tx, mesh, cfg.seed, model.sparse_embedding)
     eval_step = make_eval_step(graphdef, mesh)
 
     def save(step: int) -> None:

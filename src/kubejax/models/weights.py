@@ -1,6 +1,7 @@
-"""Hugging Face checkpoints in and out of `BertClassifier`.
+"""Hugging Face checkpoints in and out of the model families: the family from config.json's
+`model_type` (`load_config`), BERT here, decoders in `kubejax.models.decoder_weights`.
 
-A checkpoint folder holds `config.json` and `model.safetensors` (or `pytorch_model.bin`), with
+A BERT checkpoint folder holds `config.json` and `model.safetensors` (or `pytorch_model.bin`), with
 or without the `bert.` prefix, the pooler optional. The model folder the trainer writes is such
 a checkpoint too (BertForSequenceClassification names), plus tokenizer files and `labels.json`,
 so transformers can load it as well.
@@ -16,7 +17,11 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from kubejax.trainer.model import BertClassifier, BertConfig
+from kubejax.models.bert import BertClassifier, BertConfig
+
+#: Every `model_type` kubejax trains.
+MODEL_TYPES = ("bert", "llama", "mistral", "qwen2", "qwen3", "gemma3_text", "gemma3")
+TASKS = ("classification", "causal-lm")
 
 SAFETENSORS = "model.safetensors"
 PYTORCH_BIN = "pytorch_model.bin"
@@ -28,6 +33,11 @@ TOKENIZER_FILES = (
     "tokenizer_config.json",
     "vocab.txt",
     "special_tokens_map.json",
+    "tokenizer.model",
+    "vocab.json",
+    "merges.txt",
+    "chat_template.jinja",
+    "generation_config.json",
 )
 
 
@@ -54,15 +64,51 @@ def resolve_model_dir(model: str) -> Path:
         ) from err
 
 
-def load_config(model_dir: Path) -> BertConfig:
-    """The BertConfig of a checkpoint folder."""
+def load_config(model_dir: Path):
+    """The config of a checkpoint folder: a BertConfig, or a DecoderConfig for the decoder
+    families. An unsupported `model_type`, or one that needs the checkpoint's own code
+    (`auto_map`), is refused naming the supported ones."""
     config_file = model_dir / "config.json"
     if not config_file.is_file():
         raise FileNotFoundError(f"model: {model_dir} has no config.json")
-    cfg = BertConfig.from_file(config_file)
-    if cfg.model_type != "bert":
-        raise ValueError(f"model: model_type {cfg.model_type!r} is not supported (bert)")
-    return cfg
+    try:
+        values = json.loads(config_file.read_text())
+    except (UnicodeDecodeError, json.JSONDecodeError) as err:
+        raise ValueError(f"{config_file}: not valid JSON ({err})") from err
+    if not isinstance(values, dict):
+        raise ValueError(f"{config_file}: not a JSON object")
+    # BERT checkpoints from before `model_type` was written carry none.
+    model_type = values.get("model_type", "bert")
+    if model_type not in MODEL_TYPES:
+        code = " and needs the checkpoint's own code" if "auto_map" in values else ""
+        raise ValueError(
+            f"model: model_type {model_type!r}{code} is not supported ({', '.join(MODEL_TYPES)}); "
+            "remote code is never run"
+        )
+    if model_type == "bert":
+        return BertConfig.from_file(config_file)
+    from kubejax.models.decoder import DecoderConfig
+
+    try:
+        return DecoderConfig.from_dict(values)
+    except ValueError as err:
+        raise ValueError(f"{config_file}: {err}") from err
+
+
+def is_decoder(cfg) -> bool:
+    """Whether a config (from `load_config`) is one of the decoder families'."""
+    return not isinstance(cfg, BertConfig)
+
+
+def check_task(cfg, task: str) -> None:
+    """A task the model can do: an encoder classifies only; decoders do both."""
+    if task not in TASKS:
+        raise ValueError(f"task: {task!r} is not one of {', '.join(TASKS)}")
+    if task != "classification" and not is_decoder(cfg):
+        raise ValueError(
+            f"task: {task!r} needs a decoder model (llama, mistral, qwen2, qwen3, gemma3_text); "
+            f"{cfg.model_type} models do classification"
+        )
 
 
 def read_tensors(model_dir: Path) -> dict[str, np.ndarray]:
@@ -165,32 +211,41 @@ def export_tensors(model: BertClassifier) -> dict[str, np.ndarray]:
 
 
 def save_model_dir(
-    model: BertClassifier,
+    model,
     out_dir: Path,
     label_names: list[str],
     tokenizer_dir: Path | None,
     max_length: int = 512,
 ) -> None:
-    """Write a self-contained model folder: config, weights, tokenizer files, label names."""
+    """Write a self-contained model folder: config, weights, tokenizer files, label names,
+    which transformers loads as well (`AutoModelForSequenceClassification`, or
+    `AutoModelForCausalLM` for a decoder trained as a language model)."""
     from safetensors.numpy import save_file
 
     out_dir.mkdir(parents=True, exist_ok=True)
-    config = {
-        **model.config.to_dict(),
-        "architectures": ["BertForSequenceClassification"],
-        "id2label": {str(i): name for i, name in enumerate(label_names)},
-        "label2id": {name: i for i, name in enumerate(label_names)},
-    }
-    config.pop("num_labels", None)  # id2label says it
+    if is_decoder(model.config):
+        from kubejax.models import decoder_weights
+
+        config = decoder_weights.hf_config(model, label_names)
+        decoder_weights.save(model, out_dir)
+    else:
+        config = {
+            **model.config.to_dict(),
+            "architectures": ["BertForSequenceClassification"],
+            "id2label": {str(i): name for i, name in enumerate(label_names)},
+            "label2id": {name: i for i, name in enumerate(label_names)},
+        }
+        config.pop("num_labels", None)  # id2label says it
+        save_file(export_tensors(model), str(out_dir / SAFETENSORS), metadata={"format": "pt"})
     (out_dir / "config.json").write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
-    save_file(export_tensors(model), str(out_dir / SAFETENSORS), metadata={"format": "pt"})
     if tokenizer_dir is not None:
         for name in TOKENIZER_FILES:
             src = tokenizer_dir / name
             if src.is_file():
                 (out_dir / name).write_bytes(src.read_bytes())
     (out_dir / LABELS_FILE).write_text(json.dumps(label_names, indent=1))
-    (out_dir / SETTINGS_FILE).write_text(json.dumps({"max_length": max_length}))
+    settings = {"max_length": max_length, "task": getattr(model, "task", "classification")}
+    (out_dir / SETTINGS_FILE).write_text(json.dumps(settings))
 
 
 def from_pretrained(
@@ -209,12 +264,29 @@ def from_pretrained(
     return model, fresh
 
 
-def load_model_dir(model_dir: Path, dtype=jnp.float32) -> tuple[BertClassifier, list[str]]:
-    """Load a model folder written by `save_model_dir` (or any BERT classification checkpoint)."""
+def from_checkpoint(model_dir: Path, cfg, task: str, num_labels: int, dtype, seed: int = 0):
+    """The model of `cfg`'s family for `task` with a checkpoint folder's weights; the parts it
+    lacks freshly initialised from `seed`. Returns the model and the fresh parts' names."""
+    if is_decoder(cfg):
+        from kubejax.models import decoder_weights
+
+        return decoder_weights.from_pretrained(cfg, model_dir, task, num_labels, dtype, seed)
+    return from_pretrained(cfg, num_labels, read_tensors(model_dir), dtype, seed)
+
+
+def load_model_dir(model_dir: Path, dtype=jnp.float32) -> tuple[object, list[str]]:
+    """Load a model folder written by `save_model_dir` (or any classification checkpoint of a
+    supported family): the model and its label names."""
     cfg = load_config(model_dir)
     labels_file = model_dir / LABELS_FILE
-    labels = json.loads(labels_file.read_text()) if labels_file.is_file() else cfg.label_names()
-    model, fresh = from_pretrained(cfg, len(labels), read_tensors(model_dir), dtype)
+    if labels_file.is_file():
+        labels = json.loads(labels_file.read_text())
+    elif is_decoder(cfg):
+        id2label = cfg.hf.get("id2label") or {"0": "LABEL_0", "1": "LABEL_1"}
+        labels = [id2label[k] for k in sorted(id2label, key=int)]
+    else:
+        labels = cfg.label_names()
+    model, fresh = from_checkpoint(model_dir, cfg, "classification", len(labels), dtype)
     if fresh:
         raise ValueError(f"model: {model_dir} is not a trained classifier (missing {fresh})")
     return model, labels

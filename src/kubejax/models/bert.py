@@ -2,7 +2,7 @@
 
 transformers 5.x ships no Flax models, so the model is ours, with its config read from a
 checkpoint's `config.json` (transformers itself is not imported: with torch beside it, importing
-it cost every sweep trial over 2 s); `kubejax.trainer.weights` maps Hugging Face checkpoints onto
+it cost every sweep trial over 2 s); `kubejax.models.weights` maps Hugging Face checkpoints onto
 it. Shardings are not hard-coded here: the train step decides them.
 """
 
@@ -541,6 +541,11 @@ class BertEncoder(nnx.Module):
 
 class BertClassifier(nnx.Module):
     """BertForSequenceClassification: encoder, tanh pooler over [CLS], dropout, linear head."""
+
+    task = "classification"
+    #: The word-embedding table's path in the parameters: only looked up, so its gradient
+    #: has rows at the batch's tokens alone (exchanged as such, `steps.make_train_step`).
+    sparse_embedding = "['bert']['embeddings']['word']['embedding']"
 
     def __init__(self, cfg: BertConfig, num_labels: int, dtype=jnp.float32, *, rngs: nnx.Rngs):
         self.config = cfg

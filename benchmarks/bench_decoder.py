@@ -1,0 +1,219 @@
+"""Decoder LLM figures: full fine-tuning throughput of a Qwen2.5-0.5B-shaped classifier against
+transformers + torch eager, its MFU, and the host memory of loading a checkpoint of over 1 GB.
+
+    .venv/bin/python benchmarks/bench_decoder.py [--steps 3] [--batch 8] [--length 256]
+
+Both sides train the same shape (24 layers, hidden 896, 14 heads, 2 KV heads, intermediate
+4,864, vocabulary 151,936; random weights), `*ForSequenceClassification` with 5 labels, on the
+same random batch, float32, AdamW with clipping, each in a process of its own with every core;
+the figure is the median step after `--warmup` (the first compiles). FLOPs by PERF.md's count,
+the same for both sides: 6·N per token (N = the non-embedding weights; no LM head is computed
+for classification) plus 12·L·H·T for attention (not halved for causality), against the float32
+matmul peak measured in the run (`common.cpu_peak_gflops`).
+
+Loading: a bfloat16 checkpoint of that shape with untied embeddings (1.26 GB) saved in shards
+by transformers, loaded by `weights.from_checkpoint` in a fresh process; the figure is its peak
+resident memory over the process's before loading, against the model's float32 bytes (one copy)
+and the files' size.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import resource
+import statistics
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).parent))
+from common import cpu_peak_gflops, machine, run_json, scratch_dir
+
+#: Qwen2.5-0.5B's configuration (its config.json's shape fields).
+QWEN25_05B = {
+    "model_type": "qwen2",
+    "hidden_size": 896,
+    "intermediate_size": 4864,
+    "num_hidden_layers": 24,
+    "num_attention_heads": 14,
+    "num_key_value_heads": 2,
+    "vocab_size": 151936,
+    "max_position_embeddings": 32768,
+    "rope_theta": 1000000.0,
+    "rms_norm_eps": 1e-6,
+    "tie_word_embeddings": True,
+    "pad_token_id": 151643,
+}
+LABELS = 5
+
+
+def non_embedding_params(cfg: dict) -> int:
+    """N of the FLOP count: attention and MLP weights of every layer."""
+    h, m = cfg["hidden_size"], cfg["intermediate_size"]
+    kv = cfg["num_key_value_heads"] * h // cfg["num_attention_heads"]
+    return cfg["num_hidden_layers"] * (2 * h * h + 2 * h * kv + 3 * h * m)
+
+
+def flops_per_token(cfg: dict, length: int) -> float:
+    layers, h = cfg["num_hidden_layers"], cfg["hidden_size"]
+    return 6 * non_embedding_params(cfg) + 12 * layers * h * length
+
+
+def _batch(batch: int, length: int):
+    import numpy as np
+
+    rng = np.random.default_rng(0)
+    ids = rng.integers(0, QWEN25_05B["pad_token_id"], (batch, length)).astype(np.int32)
+    return ids, np.ones_like(ids), rng.integers(0, LABELS, batch).astype(np.int32)
+
+
+def _peak_rss_gb() -> float:
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20
+
+
+def ours(batch: int, length: int, steps: int, warmup: int) -> dict:
+    """Our trainer's step (`steps.make_train_step`, the trainer's optimizer) on one batch."""
+    import jax
+    import numpy as np
+    from flax import nnx
+
+    from kubejax.models import decoder_weights
+    from kubejax.models.decoder import DecoderConfig
+    from kubejax.trainer import distributed, steps
+    from kubejax.trainer.config import TrainConfig
+    from kubejax.trainer.train import make_optimizer
+
+    cfg = DecoderConfig.from_dict(QWEN25_05B)
+    model = decoder_weights.build(cfg, "classification", LABELS)
+    graphdef, params = nnx.split(model)
+    tx = make_optimizer(TrainConfig(model="scratch", data_dir="-", output_dir="-"))
+    mesh = distributed.data_mesh()
+    params = distributed.replicate(params, mesh)
+    opt_state = jax.jit(tx.init)(params)
+    step = steps.make_train_step(graphdef, tx, mesh, 0, model.sparse_embedding)
+    ids, mask, labels = _batch(batch, length)
+    data = distributed.global_batch(
+        {"input_ids": ids[None], "attention_mask": mask[None], "labels": labels[None]},
+        mesh,
+        leading=1,
+    )
+    times = []
+    for i in range(warmup + steps):
+        t = time.perf_counter()
+        params, opt_state, metrics = step(params, opt_state, data, i, np.float32(1e-5))
+        jax.block_until_ready(metrics["loss"])
+        times.append(time.perf_counter() - t)
+    return {"step_s": statistics.median(times[warmup:]), "peak_rss_gb": _peak_rss_gb()}
+
+
+def torch_peer(batch: int, length: int, steps: int, warmup: int) -> dict:
+    """transformers' Qwen2ForSequenceClassification + torch eager, AdamW, the same batch."""
+    import torch
+    from transformers import AutoConfig, AutoModelForSequenceClassification
+
+    torch.set_num_threads(os.cpu_count())
+    torch.manual_seed(0)
+    cfg = AutoConfig.for_model(**QWEN25_05B, num_labels=LABELS)
+    cfg._attn_implementation = "eager"
+    model = AutoModelForSequenceClassification.from_config(cfg).train()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-5, weight_decay=0.01)
+    ids, mask, labels = (torch.tensor(x).long() for x in _batch(batch, length))
+    times = []
+    for _ in range(warmup + steps):
+        t = time.perf_counter()
+        loss = model(input_ids=ids, attention_mask=mask, labels=labels).loss
+        opt.zero_grad()
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        opt.step()
+        times.append(time.perf_counter() - t)
+    return {"step_s": statistics.median(times[warmup:]), "peak_rss_gb": _peak_rss_gb()}
+
+
+def make_checkpoint(folder: Path) -> dict:
+    """A bfloat16 checkpoint of the shape, untied (over 1 GB), in transformers' shards."""
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    cfg = AutoConfig.for_model(**{**QWEN25_05B, "tie_word_embeddings": False})
+    model = AutoModelForCausalLM.from_config(cfg, dtype=torch.bfloat16)
+    model.save_pretrained(str(folder), max_shard_size="500MB")
+    files = sum(p.stat().st_size for p in folder.glob("*.safetensors"))
+    return {"file_bytes": files}
+
+
+def load(folder: Path) -> dict:
+    """Peak resident memory of loading the checkpoint, over the process's before it."""
+    import jax
+    import jax.numpy as jnp
+
+    from kubejax.models import weights
+
+    jax.numpy.zeros(1).block_until_ready()  # JAX's own start-up memory is not the loader's
+    before = _peak_rss_gb()
+    t = time.perf_counter()
+    cfg = weights.load_config(folder)
+    model, _ = weights.from_checkpoint(folder, cfg, "causal-lm", 0, jnp.float32)
+    seconds = time.perf_counter() - t
+    params = sum(x.size for x in jax.tree.leaves(model))
+    return {
+        "load_s": seconds,
+        "model_bytes": 4 * params,
+        "peak_rss_delta_bytes": int((_peak_rss_gb() - before) * 2**30),
+    }
+
+
+def measure(steps: int = 3, batch: int = 8, length: int = 256, warmup: int = 1) -> dict:
+    """Every decoder figure, each side in a process of its own."""
+    here = str(Path(__file__))
+    common = ["--steps", str(steps), "--batch", str(batch), "--length", str(length)]
+    common += ["--warmup", str(warmup)]
+    peak = cpu_peak_gflops("float32")
+    mine = run_json([here, "--side", "ours", *common])
+    peer = run_json([here, "--side", "torch", *common])
+    tokens = batch * length
+    flops = flops_per_token(QWEN25_05B, length) * tokens
+    folder = scratch_dir("kubejax-bench-decoder-") / "qwen25-shape-bf16"
+    made = run_json([here, "--side", "checkpoint", "--folder", str(folder)])
+    loaded = run_json([here, "--side", "load", "--folder", str(folder)])
+    return {
+        "decoder_train_tokens_per_s": round(tokens / mine["step_s"], 1),
+        "decoder_train_peer_tokens_per_s": round(tokens / peer["step_s"], 1),
+        "decoder_vs_torch_ratio": round(peer["step_s"] / mine["step_s"], 3),
+        "decoder_mfu": round(flops / mine["step_s"] / (peak * 1e9), 3),
+        "decoder_peer_mfu": round(flops / peer["step_s"] / (peak * 1e9), 3),
+        "decoder_peak_gflops": round(peak, 1),
+        "decoder_train_peak_rss_gb": round(mine["peak_rss_gb"], 2),
+        "decoder_train_peer_peak_rss_gb": round(peer["peak_rss_gb"], 2),
+        "decoder_load_file_gb": round(made["file_bytes"] / 1e9, 3),
+        "decoder_load_model_gb": round(loaded["model_bytes"] / 1e9, 3),
+        "decoder_load_peak_rss_delta_gb": round(loaded["peak_rss_delta_bytes"] / 1e9, 3),
+        "decoder_load_s": round(loaded["load_s"], 2),
+    }
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--side", choices=["ours", "torch", "checkpoint", "load"])
+    p.add_argument("--folder", type=Path)
+    p.add_argument("--steps", type=int, default=3)
+    p.add_argument("--warmup", type=int, default=1)
+    p.add_argument("--batch", type=int, default=8)
+    p.add_argument("--length", type=int, default=256)
+    a = p.parse_args()
+    if a.side == "ours":
+        print(json.dumps(ours(a.batch, a.length, a.steps, a.warmup)))
+    elif a.side == "torch":
+        print(json.dumps(torch_peer(a.batch, a.length, a.steps, a.warmup)))
+    elif a.side == "checkpoint":
+        print(json.dumps(make_checkpoint(a.folder)))
+    elif a.side == "load":
+        print(json.dumps(load(a.folder)))
+    else:
+        print(json.dumps({"machine": machine(), **measure(a.steps, a.batch, a.length, a.warmup)}))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,495 @@
+"""Decoder LLMs in Flax NNX: Llama (2, 3, 3.1, 3.2), Mistral, Qwen2 / 2.5, Qwen3 and Gemma 3
+(text), with a sequence-classification head (`score`) or a language-model head.
+
+One module with switches rather than one per family: the five families are the same pre-norm
+decoder and differ in a handful of places (q/k/v biases, per-head q/k norms, Gemma's (1 + w)
+norms, its norms around the MLP and its scaled embeddings, sliding-window layers and their own
+RoPE base), each a field of `DecoderConfig` that the family's Hugging Face config sets. One
+implementation keeps the loop, sharding and LoRA free of family cases; the parity tests pin each
+switch against transformers' own class for that family (tests/models/test_decoder.py).
+
+Computed as transformers computes them (`../shared/LLM.md`): RMSNorm in float32, RoPE in the
+rotate-half layout with float32 frequencies (Llama 3's and linear scaling applied to them),
+softmax in float32, grouped-query attention without copying K/V heads (the query heads of a
+group are one axis of the product). The config comes from transformers' own config class, so a
+checkpoint's 4.x (`rope_scaling`, `rope_theta`) and 5.x (`rope_parameters`) layouts and each
+family's defaults read exactly as transformers reads them.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from kubejax.models.bert import product
+
+#: config.json `model_type`s this module runs, and the HF class names written on export.
+FAMILIES = {
+    "llama": ("LlamaForSequenceClassification", "LlamaForCausalLM"),
+    "mistral": ("MistralForSequenceClassification", "MistralForCausalLM"),
+    "qwen2": ("Qwen2ForSequenceClassification", "Qwen2ForCausalLM"),
+    "qwen3": ("Qwen3ForSequenceClassification", "Qwen3ForCausalLM"),
+    "gemma3_text": ("Gemma3TextForSequenceClassification", "Gemma3ForCausalLM"),
+}
+#: Multimodal Gemma 3 checkpoints (4B and up): their text model is trained, the vision tower
+#: is left out.
+MULTIMODAL = {"gemma3": "gemma3_text"}
+ROPE_TYPES = ("default", "linear", "llama3")
+ACTIVATIONS = {
+    "silu": jax.nn.silu,
+    "gelu_pytorch_tanh": lambda x: jax.nn.gelu(x, approximate=True),
+    "gelu_new": lambda x: jax.nn.gelu(x, approximate=True),
+}
+SLIDING, FULL = "sliding_attention", "full_attention"
+
+
+@dataclasses.dataclass
+class Rope:
+    """One layer type's rotary embedding: base, scaling type and its parameters."""
+
+    theta: float
+    type: str = "default"
+    params: dict = dataclasses.field(default_factory=dict)
+
+    def inv_freq(self, head_dim: int) -> np.ndarray:
+        """The float32 inverse frequencies, scaled as transformers scales them."""
+        exponents = np.arange(0, head_dim, 2, dtype=np.int64).astype(np.float32) / head_dim
+        inv = (1.0 / (np.float32(self.theta) ** exponents)).astype(np.float32)
+        if self.type == "linear":
+            return (inv / np.float32(self.params["factor"])).astype(np.float32)
+        if self.type == "llama3":
+            return _llama3_scaling(inv, self.params)
+        return inv
+
+
+def _llama3_scaling(inv: np.ndarray, p: dict) -> np.ndarray:
+    """Llama 3.1's frequency rescaling: long wavelengths divided by `factor`, short ones kept,
+    the band between blended."""
+    factor, low, high = p["factor"], p["low_freq_factor"], p["high_freq_factor"]
+    old = p["original_max_position_embeddings"]
+    wavelen = 2 * math.pi / inv
+    scaled = np.where(wavelen > old / low, inv / factor, inv)
+    smooth = (old / wavelen - low) / (high - low)
+    blended = (1 - smooth) * scaled / factor + smooth * scaled
+    medium = ~(wavelen < old / high) & ~(wavelen > old / low)
+    return np.where(medium, blended, scaled).astype(np.float32)
+
+
+@dataclasses.dataclass
+class DecoderConfig:
+    """What the decoder reads from a Hugging Face config; `hf` keeps the whole config.json
+    (written back on export)."""
+
+    model_type: str
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_hidden_layers: int
+    num_attention_heads: int
+    num_key_value_heads: int
+    head_dim: int
+    rms_norm_eps: float
+    hidden_act: str
+    max_position_embeddings: int
+    tie_word_embeddings: bool
+    qkv_bias: bool  # biases on q/k/v (Qwen2 always; Llama, Qwen3, Gemma 3: attention_bias)
+    o_bias: bool
+    mlp_bias: bool
+    qk_norm: bool  # per-head RMSNorm of q and k before RoPE (Qwen3, Gemma 3)
+    gemma: bool  # (1 + w) norms, norms around attention and MLP outputs, scaled embeddings
+    attention_scale: float
+    layer_types: list[str]
+    sliding_window: int | None
+    rope: dict[str, Rope]  # by layer type
+    final_logit_softcapping: float | None
+    pad_token_id: int | None
+    bos_token_id: int | None
+    eos_token_id: int | list[int] | None
+    hf: dict[str, Any] = dataclasses.field(default_factory=dict, repr=False)
+
+    @property
+    def groups(self) -> int:
+        """Query heads per key/value head."""
+        return self.num_attention_heads // self.num_key_value_heads
+
+    @classmethod
+    def from_dict(cls, values: dict) -> DecoderConfig:
+        """Read a config.json dict through transformers' config class of its family (its
+        defaults, both rope layouts); ValueError names the field and what is allowed."""
+        from transformers import AutoConfig
+
+        model_type = values.get("model_type")
+        if model_type in MULTIMODAL:
+            values = {"model_type": MULTIMODAL[model_type], **values.get("text_config", {})}
+            model_type = values["model_type"]
+        if model_type not in FAMILIES:
+            raise ValueError(
+                f"model_type: {model_type!r} is not a supported decoder ({', '.join(FAMILIES)})"
+            )
+        try:
+            hf = AutoConfig.for_model(**values)
+        except (TypeError, ValueError, KeyError) as err:
+            raise ValueError(f"config.json: transformers cannot read it ({err})") from err
+        return cls._from_hf(model_type, hf, values)
+
+    @classmethod
+    def _from_hf(cls, model_type: str, hf, values: dict) -> DecoderConfig:
+        heads = hf.num_attention_heads
+        kv_heads = getattr(hf, "num_key_value_heads", None) or heads
+        head_dim = getattr(hf, "head_dim", None) or hf.hidden_size // heads
+        if heads % kv_heads:
+            raise ValueError(
+                f"num_attention_heads: {heads} is not a multiple of num_key_value_heads {kv_heads}"
+            )
+        gemma = model_type == "gemma3_text"
+        bias = bool(getattr(hf, "attention_bias", False))
+        act = getattr(hf, "hidden_activation", None) or hf.hidden_act
+        if act not in ACTIVATIONS:
+            raise ValueError(f"hidden_act: {act!r} is not supported ({', '.join(ACTIVATIONS)})")
+        layer_types = list(getattr(hf, "layer_types", None) or [FULL] * hf.num_hidden_layers)
+        window = getattr(hf, "sliding_window", None)
+        if model_type == "mistral" and window:
+            layer_types = [SLIDING] * hf.num_hidden_layers  # Mistral: every layer
+        if SLIDING in layer_types and not window:
+            layer_types = [FULL] * hf.num_hidden_layers
+        scale = (hf.query_pre_attn_scalar if gemma else head_dim) ** -0.5
+        return cls(
+            model_type=model_type,
+            vocab_size=hf.vocab_size,
+            hidden_size=hf.hidden_size,
+            intermediate_size=hf.intermediate_size,
+            num_hidden_layers=hf.num_hidden_layers,
+            num_attention_heads=heads,
+            num_key_value_heads=kv_heads,
+            head_dim=head_dim,
+            rms_norm_eps=float(hf.rms_norm_eps),
+            hidden_act=act,
+            max_position_embeddings=hf.max_position_embeddings,
+            tie_word_embeddings=bool(getattr(hf, "tie_word_embeddings", False)),
+            qkv_bias=bias or model_type == "qwen2",
+            o_bias=bias,
+            mlp_bias=bool(getattr(hf, "mlp_bias", False)),
+            qk_norm=model_type in ("qwen3", "gemma3_text"),
+            gemma=gemma,
+            attention_scale=float(scale),
+            layer_types=layer_types,
+            sliding_window=window if SLIDING in layer_types else None,
+            rope=_ropes(hf, layer_types),
+            final_logit_softcapping=getattr(hf, "final_logit_softcapping", None),
+            pad_token_id=hf.pad_token_id,
+            bos_token_id=hf.bos_token_id,
+            eos_token_id=hf.eos_token_id,
+            hf=dict(values),
+        )
+
+
+def _ropes(hf, layer_types: list[str]) -> dict[str, Rope]:
+    """Each layer type's Rope from transformers' standardized `rope_parameters` (one dict, or
+    one per layer type for Gemma 3)."""
+    params = hf.rope_parameters
+    per_type = params if set(params) <= {SLIDING, FULL} else dict.fromkeys(layer_types, params)
+    ropes = {}
+    for layer_type in set(layer_types):
+        p = dict(per_type[layer_type])
+        kind = p.pop("rope_type", p.pop("type", "default"))
+        if kind not in ROPE_TYPES:
+            raise ValueError(
+                f"rope_scaling: type {kind!r} is not supported ({', '.join(ROPE_TYPES)})"
+            )
+        if p.get("partial_rotary_factor", 1.0) != 1.0:
+            raise ValueError("partial_rotary_factor: only 1.0 (the whole head) is supported")
+        ropes[layer_type] = Rope(float(p.pop("rope_theta")), kind, p)
+    return ropes
+
+
+# ---------------------------------------------------------------------------------------------
+# Layers
+
+
+class Linear(nnx.Module):
+    """`x @ kernel (+ bias)`, kernel [in, out] in float32, computed in the compute dtype."""
+
+    def __init__(self, n_in: int, n_out: int, bias: bool, dtype, rngs: nnx.Rngs):
+        init = nnx.initializers.normal(0.02)
+        self.kernel = nnx.Param(init(rngs.params(), (n_in, n_out), jnp.float32))
+        self.bias = nnx.Param(jnp.zeros((n_out,), jnp.float32)) if bias else None
+        self.dtype = dtype
+
+    def __call__(self, x: jax.Array) -> jax.Array:
+        y = product(x.astype(self.dtype), self.kernel[...].astype(self.dtype))
+        if self.bias is not None:
+            y = y + self.bias[...]
+        return y.astype(self.dtype)
+
+
+class RMSNorm(nnx.Module):
+    """RMSNorm in float32. Llama's: `scale · x̂` in the input's dtype; Gemma's (`one_plus`):
+    `(1 + scale) · x̂` in float32, then cast (its weights start at zero)."""
+
+    def __init__(self, size: int, eps: float, one_plus: bool):
+        self.scale = nnx.Param(jnp.full((size,), 0.0 if one_plus else 1.0, jnp.float32))
+        self.eps, self.one_plus = eps, one_plus
+
+    def __call__(self, x: jax.Array) -> jax.Array:
+        x32 = x.astype(jnp.float32)
+        normed = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + self.eps)
+        if self.one_plus:
+            return (normed * (1.0 + self.scale[...])).astype(x.dtype)
+        return self.scale[...].astype(x.dtype) * normed.astype(x.dtype)
+
+
+def rotate(x: jax.Array, positions: jax.Array, inv_freq) -> jax.Array:
+    """RoPE in the rotate-half layout: x [batch, tokens, heads, head_dim], positions [batch,
+    tokens]; cos and sin in float32, cast to x's dtype."""
+    freqs = positions[..., None].astype(jnp.float32) * jnp.asarray(inv_freq, jnp.float32)
+    angles = jnp.concatenate([freqs, freqs], axis=-1)[:, :, None, :]
+    cos, sin = jnp.cos(angles).astype(x.dtype), jnp.sin(angles).astype(x.dtype)
+    half = x.shape[-1] // 2
+    rotated = jnp.concatenate([-x[..., half:], x[..., :half]], axis=-1)
+    return x * cos + rotated * sin
+
+
+@dataclasses.dataclass(frozen=True)
+class Tokens:
+    """Where each token sits, for the attention masks and RoPE: `segments` [batch, length]
+    (the sequence a token belongs to, 1, 2, ...; 0 for padding), `positions` [batch, length]."""
+
+    segments: jax.Array
+    positions: jax.Array
+
+    def mask(self, queries: jax.Array | None, window: int | None) -> jax.Array:
+        """[batch, 1, 1, q, length] True where a query may attend: its own sequence, causal,
+        and within `window` tokens (a query sees itself and the window - 1 before it).
+        `queries` [batch, q]: the query tokens' indices (None: every token)."""
+        length = self.segments.shape[1]
+        keys = jnp.arange(length)
+        q = jnp.broadcast_to(keys, self.segments.shape) if queries is None else queries
+        q_seg = jnp.take_along_axis(self.segments, q, axis=1)
+        ok = (q_seg[:, :, None] == self.segments[:, None, :]) & (self.segments[:, None, :] > 0)
+        ok &= keys[None, None, :] <= q[:, :, None]
+        if window:
+            ok &= keys[None, None, :] > q[:, :, None] - window
+        return ok[:, None, None]
+
+
+class Attention(nnx.Module):
+    """Grouped-query self-attention with RoPE, optional q/k norms and a sliding window."""
+
+    def __init__(self, cfg: DecoderConfig, layer_type: str, dtype, rngs: nnx.Rngs):
+        h, d = cfg.hidden_size, cfg.head_dim
+        self.heads, self.kv_heads, self.head_dim = (
+            cfg.num_attention_heads,
+            cfg.num_key_value_heads,
+            d,
+        )
+        self.q_proj = Linear(h, self.heads * d, cfg.qkv_bias, dtype, rngs)
+        self.k_proj = Linear(h, self.kv_heads * d, cfg.qkv_bias, dtype, rngs)
+        self.v_proj = Linear(h, self.kv_heads * d, cfg.qkv_bias, dtype, rngs)
+        self.o_proj = Linear(self.heads * d, h, cfg.o_bias, dtype, rngs)
+        if cfg.qk_norm:
+            self.q_norm = RMSNorm(d, cfg.rms_norm_eps, cfg.gemma)
+            self.k_norm = RMSNorm(d, cfg.rms_norm_eps, cfg.gemma)
+        else:
+            self.q_norm = self.k_norm = None
+        self.window = cfg.sliding_window if layer_type == SLIDING else None
+        # Plain floats: a static part of the module, not a parameter.
+        self.inv_freq = tuple(float(f) for f in cfg.rope[layer_type].inv_freq(d))
+        self.scale = cfg.attention_scale
+
+    def __call__(self, x: jax.Array, tokens: Tokens, queries: jax.Array | None) -> jax.Array:
+        """x [batch, length, hidden] → [batch, q, hidden] for the `queries` (None: all)."""
+        b, n = x.shape[:2]
+        q_in = x if queries is None else jnp.take_along_axis(x, queries[..., None], axis=1)
+        q_pos = (
+            tokens.positions
+            if queries is None
+            else jnp.take_along_axis(tokens.positions, queries, axis=1)
+        )
+        q = self.q_proj(q_in).reshape(b, q_in.shape[1], self.heads, self.head_dim)
+        k = self.k_proj(x).reshape(b, n, self.kv_heads, self.head_dim)
+        v = self.v_proj(x).reshape(b, n, self.kv_heads, self.head_dim)
+        if self.q_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
+        q = rotate(q, q_pos, self.inv_freq) * jnp.asarray(self.scale, q.dtype)
+        k = rotate(k, tokens.positions, self.inv_freq)
+        # The query heads of each key/value head as an axis of their own: no repeated K/V.
+        q = q.reshape(b, q.shape[1], self.kv_heads, self.heads // self.kv_heads, self.head_dim)
+        scores = jnp.einsum("bqkgd,bskd->bkgqs", q, k, preferred_element_type=jnp.float32)
+        scores = jnp.where(tokens.mask(queries, self.window), scores, jnp.finfo(jnp.float32).min)
+        probs = jax.nn.softmax(scores, axis=-1).astype(v.dtype)
+        ctx = jnp.einsum("bkgqs,bskd->bqkgd", probs, v, preferred_element_type=jnp.float32)
+        return self.o_proj(ctx.reshape(b, q.shape[1], self.heads * self.head_dim))
+
+
+class MLP(nnx.Module):
+    """`down(act(gate(x)) · up(x))`."""
+
+    def __init__(self, cfg: DecoderConfig, dtype, rngs: nnx.Rngs):
+        h, m, bias = cfg.hidden_size, cfg.intermediate_size, cfg.mlp_bias
+        self.gate_proj = Linear(h, m, bias, dtype, rngs)
+        self.up_proj = Linear(h, m, bias, dtype, rngs)
+        self.down_proj = Linear(m, h, bias, dtype, rngs)
+        self.act = ACTIVATIONS[cfg.hidden_act]
+
+    def __call__(self, x: jax.Array) -> jax.Array:
+        gate = self.act(self.gate_proj(x).astype(jnp.float32)).astype(x.dtype)
+        return self.down_proj(gate * self.up_proj(x))
+
+
+class DecoderLayer(nnx.Module):
+    """Pre-norm block; Gemma 3 adds norms after the attention and around the MLP."""
+
+    def __init__(self, cfg: DecoderConfig, layer_type: str, dtype, rngs: nnx.Rngs):
+        eps, g = cfg.rms_norm_eps, cfg.gemma
+        self.self_attn = Attention(cfg, layer_type, dtype, rngs)
+        self.mlp = MLP(cfg, dtype, rngs)
+        self.input_layernorm = RMSNorm(cfg.hidden_size, eps, g)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, eps, g)
+        if g:
+            self.pre_feedforward_layernorm = RMSNorm(cfg.hidden_size, eps, g)
+            self.post_feedforward_layernorm = RMSNorm(cfg.hidden_size, eps, g)
+        self.gemma = g
+
+    def __call__(self, x: jax.Array, tokens: Tokens, queries: jax.Array | None) -> jax.Array:
+        """`queries` [batch, q]: compute the outputs at those tokens only (None: all)."""
+        residual = x if queries is None else jnp.take_along_axis(x, queries[..., None], axis=1)
+        attn = self.self_attn(self.input_layernorm(x), tokens, queries)
+        if self.gemma:
+            x = residual + self.post_attention_layernorm(attn)
+            ff = self.mlp(self.pre_feedforward_layernorm(x))
+            return x + self.post_feedforward_layernorm(ff)
+        x = residual + attn
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+class Embedding(nnx.Module):
+    """The token table [vocab, hidden], rows taken in float32 and cast (as `bert._rows`)."""
+
+    def __init__(self, vocab: int, hidden: int, dtype, rngs: nnx.Rngs):
+        init = nnx.initializers.normal(0.02)
+        self.embedding = nnx.Param(init(rngs.params(), (vocab, hidden), jnp.float32))
+        self.dtype = dtype
+
+    def __call__(self, ids: jax.Array) -> jax.Array:
+        return jnp.take(self.embedding[...], ids, axis=0).astype(self.dtype)
+
+
+class DecoderModel(nnx.Module):
+    """Embeddings, the layers and the final norm (transformers' `model.` prefix)."""
+
+    def __init__(self, cfg: DecoderConfig, dtype, rngs: nnx.Rngs):
+        self.embed_tokens = Embedding(cfg.vocab_size, cfg.hidden_size, dtype, rngs)
+        self.layers = nnx.List([DecoderLayer(cfg, t, dtype, rngs) for t in cfg.layer_types])
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, cfg.gemma)
+        # Gemma scales the embeddings by √hidden, rounded to the compute dtype first.
+        self.embed_scale = cfg.hidden_size**0.5 if cfg.gemma else None
+        self.dtype = dtype
+
+    def __call__(self, ids: jax.Array, tokens: Tokens, last_queries: jax.Array | None):
+        """Final hidden states [batch, length, hidden]; with `last_queries` [batch, q], the last
+        layer computes only those tokens' outputs ([batch, q, hidden])."""
+        x = self.embed_tokens(ids)
+        if self.embed_scale is not None:
+            x = x * jnp.asarray(self.embed_scale, x.dtype)
+        last = len(self.layers) - 1
+        for i, layer in enumerate(self.layers):
+            x = layer(x, tokens, last_queries if i == last else None)
+        return self.norm(x)
+
+
+def tokens_of(attention_mask: jax.Array, positions: jax.Array | None) -> Tokens:
+    """Tokens of a batch: one sequence a row (mask 0/1; positions 0, 1, ... from the row's
+    start, as transformers numbers them, whatever the padding: RoPE sees only differences) or
+    packed rows (segment ids 1, 2, ... and each token's position in its own sequence)."""
+    if positions is None:
+        positions = jnp.broadcast_to(jnp.arange(attention_mask.shape[1]), attention_mask.shape)
+    return Tokens(attention_mask.astype(jnp.int32), positions)
+
+
+def last_tokens(segments: jax.Array, slots: int | None) -> jax.Array:
+    """Index of each sequence's last token [batch, slots] (slots None: one sequence a row,
+    [batch, 1]); an empty slot gives 0. Works with left and right padding."""
+    idx = jnp.arange(segments.shape[1])
+    if slots is None:
+        return jnp.argmax(idx * (segments > 0), axis=-1)[:, None]
+    ids = jnp.arange(1, slots + 1)[None, :, None]
+    return jnp.argmax(idx * (segments[:, None, :] == ids), axis=-1)
+
+
+class DecoderClassifier(nnx.Module):
+    """`*ForSequenceClassification`: the decoder and a bias-free `score` head read at each
+    sequence's last token."""
+
+    task = "classification"
+    sparse_embedding = "['model']['embed_tokens']['embedding']"
+
+    def __init__(self, cfg: DecoderConfig, num_labels: int, dtype=jnp.float32, *, rngs):
+        self.config, self.num_labels, self.dtype = cfg, num_labels, dtype
+        self.model = DecoderModel(cfg, dtype, rngs)
+        self.score = Linear(cfg.hidden_size, num_labels, False, dtype, rngs)
+
+    def init_fresh(self, names: list[str], rngs: nnx.Rngs) -> None:
+        """Initialise the parts a checkpoint did not provide ("score")."""
+        if "score" in names:
+            self.score = Linear(self.config.hidden_size, self.num_labels, False, self.dtype, rngs)
+
+    def __call__(
+        self,
+        input_ids,
+        attention_mask,
+        *,
+        positions=None,
+        starts=None,
+        deterministic=True,
+        rngs=None,
+    ):
+        """Logits [batch, num_labels] in float32; for packed rows (segment ids in
+        `attention_mask`, `positions`, `starts` [batch, n] of the sequences) [batch, n,
+        num_labels]. Decoders have no dropout here (their released configs set none)."""
+        tokens = tokens_of(attention_mask, positions)
+        last = last_tokens(tokens.segments, None if starts is None else starts.shape[1])
+        hidden = self.model(input_ids, tokens, last)
+        logits = self.score(hidden).astype(jnp.float32)
+        return logits[:, 0] if starts is None else logits
+
+
+class DecoderLM(nnx.Module):
+    """`*ForCausalLM`: the decoder and its language-model head (the embeddings when tied)."""
+
+    task = "causal-lm"
+
+    @property
+    def sparse_embedding(self) -> str | None:
+        """The embedding table's path when only looked up; tied, the head reads all of it."""
+        return None if self.lm_head is None else "['model']['embed_tokens']['embedding']"
+
+    def __init__(self, cfg: DecoderConfig, dtype=jnp.float32, *, rngs):
+        self.config, self.dtype = cfg, dtype
+        self.model = DecoderModel(cfg, dtype, rngs)
+        tied = cfg.tie_word_embeddings
+        self.lm_head = None if tied else Linear(cfg.hidden_size, cfg.vocab_size, False, dtype, rngs)
+
+    def head(self, hidden: jax.Array) -> jax.Array:
+        """Vocabulary logits in float32 of hidden states [..., hidden]."""
+        if self.lm_head is None:
+            table = self.model.embed_tokens.embedding[...].astype(hidden.dtype)
+            logits = product(hidden, table.T).astype(jnp.float32)
+        else:
+            logits = self.lm_head(hidden).astype(jnp.float32)
+        cap = self.config.final_logit_softcapping
+        return logits if cap is None else jnp.tanh(logits / cap) * cap
+
+    def __call__(self, input_ids, attention_mask, *, positions=None, at=None):
+        """Vocabulary logits [batch, length, vocab] (float32); with `at` [batch, q], only at
+        those tokens ([batch, q, vocab])."""
+        tokens = tokens_of(attention_mask, positions)
+        hidden = self.model(input_ids, tokens, None)
+        if at is not None:
+            hidden = jnp.take_along_axis(hidden, at[..., None], axis=1)
+        return self.head(hidden)

@@ -1,0 +1,293 @@
+"""Hugging Face decoder checkpoints in and out of `DecoderClassifier` / `DecoderLM`.
+
+In: `model.safetensors` or the shards of `model.safetensors.index.json`, stored in bfloat16,
+float16 or float32, read tensor by tensor into an abstract model (shapes only), so the host
+holds the model once plus one tensor, never the checkpoint and the model side by side. Keys may
+sit under `model.` (a `*ForCausalLM` / `*ForSequenceClassification` checkpoint), nothing (a bare
+`AutoModel`) or a multimodal Gemma 3's language-model prefix (its vision tower is left out).
+
+Out: a folder transformers loads with `AutoModelForSequenceClassification` /
+`AutoModelForCausalLM`: config.json in the 4.x layout (`rope_theta`, `rope_scaling`, which
+transformers 4.x and 5.x both read) with `architectures` and a pad token id, float32 weights
+with `{"format": "pt"}` metadata, in shards of at most `SHARD_BYTES` (one shard in host memory
+at a time) with their index.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from collections.abc import Iterator
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from kubejax.models.decoder import (
+    FAMILIES,
+    FULL,
+    SLIDING,
+    DecoderClassifier,
+    DecoderConfig,
+    DecoderLM,
+)
+
+log = logging.getLogger(__name__)
+
+SAFETENSORS = "model.safetensors"
+INDEX = "model.safetensors.index.json"
+#: The largest export shard, as transformers' `save_pretrained` writes them.
+SHARD_BYTES = 5 * 2**30
+#: Keys a checkpoint may hold that the model does not use (rotary caches of old exports).
+_IGNORED_SUFFIXES = (".rotary_emb.inv_freq",)
+
+
+def checkpoint_files(model_dir: Path) -> dict[str, Path]:
+    """Every tensor key of a checkpoint folder and the safetensors file holding it."""
+    from safetensors import safe_open
+
+    index = model_dir / INDEX
+    if index.is_file():
+        weight_map = json.loads(index.read_text())["weight_map"]
+        return {key: model_dir / name for key, name in weight_map.items()}
+    single = model_dir / SAFETENSORS
+    if not single.is_file():
+        raise FileNotFoundError(
+            f"model: {model_dir} has neither {SAFETENSORS} nor {INDEX} (decoders load from "
+            "safetensors only)"
+        )
+    with safe_open(single, framework="numpy") as f:
+        return dict.fromkeys(f.keys(), single)
+
+
+def _language_prefix(keys) -> str:
+    """The prefix before `embed_tokens.weight`: `model.`, '' or a multimodal one."""
+    found = [
+        k.removesuffix("embed_tokens.weight") for k in keys if k.endswith("embed_tokens.weight")
+    ]
+    if len(found) != 1:
+        raise KeyError(f"model: the checkpoint has {len(found)} embed_tokens.weight tensors, not 1")
+    return found[0]
+
+
+def param_table(model: DecoderClassifier | DecoderLM) -> Iterator[tuple[nnx.Variable, str, bool]]:
+    """(variable, HF key without the language prefix, transposed) for every parameter of the
+    decoder itself; heads are the caller's."""
+    yield model.model.embed_tokens.embedding, "embed_tokens.weight", False
+    for i, layer in enumerate(model.model.layers):
+        p = f"layers.{i}."
+        for name in ("q_proj", "k_proj", "v_proj", "o_proj"):
+            yield from _linear(getattr(layer.self_attn, name), f"{p}self_attn.{name}")
+        for name in ("q_norm", "k_norm"):
+            norm = getattr(layer.self_attn, name)
+            if norm is not None:
+                yield norm.scale, f"{p}self_attn.{name}.weight", False
+        for name in ("gate_proj", "up_proj", "down_proj"):
+            yield from _linear(getattr(layer.mlp, name), f"{p}mlp.{name}")
+        norms = ["input_layernorm", "post_attention_layernorm"]
+        if layer.gemma:
+            norms += ["pre_feedforward_layernorm", "post_feedforward_layernorm"]
+        for name in norms:
+            yield getattr(layer, name).scale, f"{p}{name}.weight", False
+    yield model.model.norm.scale, "norm.weight", False
+
+
+def _linear(linear, key: str):
+    yield linear.kernel, f"{key}.weight", True
+    if linear.bias is not None:
+        yield linear.bias, f"{key}.bias", False
+
+
+def _set(var: nnx.Variable, value: np.ndarray, key: str) -> None:
+    current = var.get_value()  # a ShapeDtypeStruct in an abstract model
+    if tuple(current.shape) != tuple(value.shape):
+        raise ValueError(f"model: tensor {key} has shape {value.shape}, expected {current.shape}")
+    var.set_value(jnp.asarray(value, dtype=current.dtype))
+
+
+class _Reader:
+    """Tensors by key from a checkpoint's files, each file opened once (memory-mapped)."""
+
+    def __init__(self, files: dict[str, Path]):
+        import ml_dtypes  # noqa: F401  (numpy reads bfloat16 tensors through it)
+        from safetensors import safe_open
+
+        self.files = files
+        self.handles = {f: safe_open(f, framework="numpy") for f in set(files.values())}
+
+    def get(self, key: str, transpose: bool) -> np.ndarray:
+        value = self.handles[self.files[key]].get_tensor(key).astype(np.float32)
+        return value.T if transpose else value
+
+
+def load_pretrained(model, model_dir: Path) -> list[str]:
+    """Fill an (abstract) decoder from a checkpoint folder, tensor by tensor; returns the parts
+    left for fresh initialisation ("score" when the checkpoint has no head of this shape).
+    Raises KeyError naming every missing and unexpected tensor."""
+    files = checkpoint_files(model_dir)
+    prefix = _language_prefix(files)
+    table = [(var, prefix + key, t) for var, key, t in param_table(model)]
+    heads = _heads(model, files, prefix)
+    wanted = {key for _, key, _ in table} | {key for _, key, _ in heads}
+    missing = sorted(wanted - set(files))
+    optional = {"lm_head.weight", "score.weight", prefix + "lm_head.weight"}
+    # A multimodal checkpoint's other towers live outside the language prefix.
+    unexpected = sorted(
+        k
+        for k in files
+        if k not in wanted
+        and k not in optional
+        and (k.startswith(prefix) or not prefix)
+        and not k.endswith(_IGNORED_SUFFIXES)
+    )
+    if missing or unexpected:
+        raise KeyError(
+            f"model: the checkpoint in {model_dir} does not match its config.json: "
+            f"missing {_few(missing)}; unexpected {_few(unexpected)}"
+        )
+    reader = _Reader(files)
+    for var, key, transpose in table + heads:
+        _set(var, reader.get(key, transpose), key)
+    if isinstance(model, DecoderClassifier) and not heads:
+        return ["score"]
+    return []
+
+
+def _heads(model, files: dict, prefix: str) -> list:
+    """The head tensors to load: `score` of the right shape for a classifier, `lm_head` of an
+    untied language model."""
+    if isinstance(model, DecoderClassifier):
+        if "score.weight" not in files:
+            return []
+        shape = _tensor_shape(files, "score.weight")
+        if shape != (model.num_labels, model.config.hidden_size):
+            return []
+        return [(model.score.kernel, "score.weight", True)]
+    if model.lm_head is None:
+        return []
+    key = "lm_head.weight" if "lm_head.weight" in files else prefix + "lm_head.weight"
+    return [(model.lm_head.kernel, key, True)]
+
+
+def _tensor_shape(files: dict, key: str) -> tuple[int, ...]:
+    from safetensors import safe_open
+
+    with safe_open(files[key], framework="numpy") as f:
+        return tuple(f.get_slice(key).get_shape())
+
+
+def _few(keys: list[str], most: int = 6) -> str:
+    if not keys:
+        return "none"
+    more = f" and {len(keys) - most} more" if len(keys) > most else ""
+    return ", ".join(keys[:most]) + more
+
+
+def from_pretrained(cfg: DecoderConfig, model_dir: Path, task: str, num_labels: int, dtype, seed):
+    """The decoder of `task` ("classification" or "causal-lm") with the checkpoint's weights;
+    the score head freshly initialised from `seed` when the checkpoint has none. Returns the
+    model and the fresh parts' names."""
+    model = nnx.eval_shape(lambda: build(cfg, task, num_labels, dtype, seed))
+    fresh = load_pretrained(model, model_dir)
+    if fresh:
+        model.init_fresh(fresh, nnx.Rngs(seed))
+    return model, fresh
+
+
+def build(cfg: DecoderConfig, task: str, num_labels: int, dtype=jnp.float32, seed: int = 0):
+    """A randomly initialised decoder of `task`."""
+    if task == "causal-lm":
+        return DecoderLM(cfg, dtype, rngs=nnx.Rngs(seed))
+    return DecoderClassifier(cfg, num_labels, dtype, rngs=nnx.Rngs(seed))
+
+
+# ---------------------------------------------------------------------------------------------
+# Export
+
+
+def export_tensors(model) -> Iterator[tuple[str, np.ndarray]]:
+    """(HF key, float32 array) of every weight, in `*For…` names, one at a time."""
+    for var, key, transpose in param_table(model):
+        value = np.asarray(jax.device_get(var[...]), np.float32)
+        yield "model." + key, np.ascontiguousarray(value.T if transpose else value)
+    head = model.score if isinstance(model, DecoderClassifier) else model.lm_head
+    if head is not None:
+        name = "score.weight" if isinstance(model, DecoderClassifier) else "lm_head.weight"
+        yield name, np.ascontiguousarray(np.asarray(jax.device_get(head.kernel[...])).T)
+
+
+def hf_config(model, label_names: list[str] | None) -> dict:
+    """config.json of the exported model: the checkpoint's own, in the 4.x rope layout, with
+    `architectures`, labels and a pad token id (the EOS token when the model has none: the
+    classifier reads the last token that is not padding)."""
+    cfg: DecoderConfig = model.config
+    out = {k: v for k, v in cfg.hf.items() if k not in ("rope_parameters", "dtype")}
+    out.pop("rope_scaling", None)
+    out.update(_old_rope_keys(cfg))
+    classify = isinstance(model, DecoderClassifier)
+    out["architectures"] = [FAMILIES[cfg.model_type][0 if classify else 1]]
+    out["torch_dtype"] = "float32"
+    if cfg.pad_token_id is None:
+        eos = cfg.eos_token_id[0] if isinstance(cfg.eos_token_id, list) else cfg.eos_token_id
+        out["pad_token_id"] = eos if eos is not None else 0
+        log.warning(
+            "model: the config has no pad_token_id; the export sets %s", out["pad_token_id"]
+        )
+    if classify and label_names:
+        out["id2label"] = {str(i): name for i, name in enumerate(label_names)}
+        out["label2id"] = {name: i for i, name in enumerate(label_names)}
+        out.pop("num_labels", None)
+    return out
+
+
+def _old_rope_keys(cfg: DecoderConfig) -> dict:
+    """`rope_theta` and `rope_scaling` (and Gemma's `rope_local_base_freq`)."""
+    full = cfg.rope.get(FULL) or next(iter(cfg.rope.values()))
+    keys: dict = {"rope_theta": full.theta, "rope_scaling": None}
+    if full.type != "default":
+        keys["rope_scaling"] = {"rope_type": full.type, **full.params}
+    if cfg.gemma:
+        keys["rope_local_base_freq"] = cfg.rope.get(SLIDING, full).theta
+    return keys
+
+
+def save(model, out_dir: Path) -> None:
+    """Weights as safetensors shards of at most SHARD_BYTES (one file when they fit), with
+    transformers' index for several."""
+    from safetensors.numpy import save_file
+
+    shards: list[dict[str, np.ndarray]] = [{}]
+    size, total = 0, 0
+    names = []
+
+    def flush():
+        names.append(f"part-{len(names)}")
+        path = out_dir / f"{names[-1]}.tmp"
+        save_file(shards[-1], str(path), metadata={"format": "pt"})
+        shards[-1] = {k: None for k in shards[-1]}  # keys only, the arrays go
+
+    for key, value in export_tensors(model):
+        if size and size + value.nbytes > SHARD_BYTES:
+            flush()
+            shards.append({})
+            size = 0
+        shards[-1][key] = value
+        size += value.nbytes
+        total += value.nbytes
+    flush()
+    _name_shards(out_dir, names, shards, total)
+
+
+def _name_shards(out_dir: Path, parts: list[str], shards: list[dict], total: int) -> None:
+    if len(parts) == 1:
+        (out_dir / f"{parts[0]}.tmp").replace(out_dir / SAFETENSORS)
+        return
+    weight_map = {}
+    for i, (part, keys) in enumerate(zip(parts, shards, strict=True)):
+        name = f"model-{i + 1:05d}-of-{len(parts):05d}.safetensors"
+        (out_dir / f"{part}.tmp").replace(out_dir / name)
+        weight_map.update(dict.fromkeys(keys, name))
+    index = {"metadata": {"total_size": total}, "weight_map": weight_map}
+    (out_dir / INDEX).write_text(json.dumps(index, indent=2) + "\n")
