@@ -61,7 +61,7 @@ def machine() -> str:
 
 def matmul_peak_gflops(n: int = 2048, repeats: int = 10, dtype: str = "float32") -> float:
     """n×n matmul throughput through XLA with `dtype` operands summed in float32 (as the
-    model's products are, `kubejax.models.bert.product`), best of `repeats`."""
+    model's products are, `kubejax.models.kernels.product`), best of `repeats`."""
     import jax
     import jax.numpy as jnp
 

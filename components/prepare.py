@@ -21,6 +21,8 @@ def prepare_yelp(
     label_mapping: str = "auto",
     num_labels: int = 0,
     max_length: int = 256,
+    task: str = "classification",
+    prompt_template: str = "Review: {review}\nRating:",
     validation_fraction: float = 0.1,
     max_train_samples: int = 0,
     max_validation_samples: int = 0,
@@ -46,6 +48,10 @@ def prepare_yelp(
             mapping each raw label to an id.
         num_labels: Number of classes; 0 infers it. Labels outside 0..num_labels-1 are errors.
         max_length: Truncation length in tokens; at most the model's positions.
+        task: `classification` (the reviews' tokens, for a classification head) or `causal-lm`
+            (decoders: each review as `prompt_template`, each label's name as its answer; the
+            train step then fine-tunes the model to write the answer).
+        prompt_template: causal-lm: the prompt, with `{review}` where the review goes.
         validation_fraction: Share of train carved out as validation.
         max_train_samples: Stratified cap on train rows; 0 for none.
         max_validation_samples: Stratified cap on validation rows; 0 for none.
@@ -70,6 +76,8 @@ def prepare_yelp(
         label_mapping=label_mapping,
         num_labels=num_labels,
         max_length=max_length,
+        task=task,
+        prompt_template=prompt_template,
         validation_fraction=validation_fraction,
         max_train_samples=max_train_samples,
         max_validation_samples=max_validation_samples,

@@ -135,6 +135,8 @@ def yelp_pipeline(
     text_column: str = "text",
     label_column: str = "label",
     max_length: int = 256,
+    task: str = "classification",
+    prompt_template: str = "Review: {review}\nRating:",
     max_train_samples: int = 0,
     max_validation_samples: int = 10000,
     max_test_samples: int = 0,
@@ -167,10 +169,14 @@ def yelp_pipeline(
 
     Args:
         source: Hub dataset id, or a file/folder/URI of reviews (csv, tsv, json, jsonl, parquet).
-        base_model: HF hub id or folder of the BERT-family model (also the tokenizer).
+        base_model: HF hub id or folder of the model (also the tokenizer): BERT family, or a
+            decoder (Llama, Mistral, Qwen2, Qwen3, Gemma 3).
         text_column: Column with the review text.
         label_column: Column with the stars / label.
         max_length: Token truncation length.
+        task: classification (a classification head on the model) or causal-lm (a decoder
+            fine-tuned to write each review's label after `prompt_template`).
+        prompt_template: causal-lm: the prompt, with {review} where the review goes.
         max_train_samples: Stratified cap on train rows (0: all).
         max_validation_samples: Stratified cap on validation rows (0: all).
         max_test_samples: Stratified cap on test rows (0: all).
@@ -213,6 +219,8 @@ def yelp_pipeline(
         text_column=text_column,
         label_column=label_column,
         max_length=max_length,
+        task=task,
+        prompt_template=prompt_template,
         max_train_samples=max_train_samples,
         max_validation_samples=max_validation_samples,
         max_test_samples=max_test_samples,
@@ -284,6 +292,8 @@ def train_eval_pipeline(
     text_column: str = "text",
     label_column: str = "label",
     max_length: int = 256,
+    task: str = "classification",
+    prompt_template: str = "Review: {review}\nRating:",
     max_train_samples: int = 0,
     max_validation_samples: int = 10000,
     max_test_samples: int = 0,
@@ -307,6 +317,9 @@ def train_eval_pipeline(
         text_column: Column with the review text.
         label_column: Column with the stars / label.
         max_length: Token truncation length.
+        task: classification (a classification head on the model) or causal-lm (a decoder
+            fine-tuned to write each review's label after `prompt_template`).
+        prompt_template: causal-lm: the prompt, with {review} where the review goes.
         max_train_samples: Stratified cap on train rows (0: all).
         max_validation_samples: Stratified cap on validation rows (0: all).
         max_test_samples: Stratified cap on test rows (0: all).
@@ -328,6 +341,8 @@ def train_eval_pipeline(
         text_column=text_column,
         label_column=label_column,
         max_length=max_length,
+        task=task,
+        prompt_template=prompt_template,
         max_train_samples=max_train_samples,
         max_validation_samples=max_validation_samples,
         max_test_samples=max_test_samples,

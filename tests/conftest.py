@@ -213,3 +213,23 @@ def prepared_decoder(tmp_path_factory, yelp_dir, tiny_decoder_dir) -> Path:
         progress=False,
     )
     return out
+
+
+@pytest.fixture(scope="session")
+def prepared_prompts(tmp_path_factory, yelp_dir, tiny_decoder_dir) -> Path:
+    """The synthetic data as prompts and answers (task causal-lm) for the tiny decoder."""
+    from kubejax.data.prepare import PrepareConfig, prepare_yelp
+
+    out = tmp_path_factory.mktemp("prepared") / "prompt-data"
+    prepare_yelp(
+        PrepareConfig(
+            tokenizer=str(tiny_decoder_dir),
+            source=str(yelp_dir),
+            max_length=64,
+            max_validation_samples=150,
+            task="causal-lm",
+        ),
+        out,
+        progress=False,
+    )
+    return out

@@ -79,21 +79,22 @@ def evaluate_model(
     except dataset.DatasetError as err:
         raise EvaluationError(f"dataset: {err}") from err
     model, label_names = weights.load_model_dir(model_dir, getattr(jnp, dtype))
-    if int(meta["num_labels"]) != model.num_labels:
+    num_labels = len(label_names)
+    if int(meta["num_labels"]) != num_labels:
         raise EvaluationError(
-            f"num_labels: the model has {model.num_labels} classes, the dataset "
-            f"{meta['num_labels']}"
+            f"num_labels: the model has {num_labels} classes, the dataset {meta['num_labels']}"
         )
+    answers = _answers(weights.read_settings(model_dir), meta)
     t0 = time.perf_counter()
     max_length = int(meta.get("max_length", 512))
-    logits = predict_logits(model, data, batch_size, max_length, progress=True)
+    logits = predict_logits(model, data, batch_size, max_length, progress=True, answers=answers)
     elapsed = time.perf_counter() - t0
     preds = logits.argmax(-1)
     top = logits.max(-1, keepdims=True)
     logp = logits - top - np.log(np.exp(logits - top).sum(-1, keepdims=True))
     loss = float(-logp[np.arange(len(preds)), data.labels].mean())
-    result = classification_metrics(data.labels, preds, model.num_labels)
-    counts = np.bincount(data.labels, minlength=model.num_labels)
+    result = classification_metrics(data.labels, preds, num_labels)
+    counts = np.bincount(data.labels, minlength=num_labels)
     result.update(
         loss=loss,
         examples=len(preds),
@@ -105,6 +106,26 @@ def evaluate_model(
         dtype=dtype,
     )
     return result
+
+
+def _answers(settings: dict, meta: dict) -> list[list[int]] | None:
+    """A language model's answers, which the dataset's prompts must have been built for."""
+    if settings["task"] != "causal-lm":
+        if meta.get("task", "classification") != "classification":
+            raise EvaluationError(
+                "dataset: prepared for task causal-lm (prompts), but the model is a classifier"
+            )
+        return None
+    same = (meta.get("prompt_template"), meta.get("answers")) == (
+        settings["prompt_template"],
+        settings["answers"],
+    )
+    if not same:
+        raise EvaluationError(
+            "dataset: its prompts or answers are not the model's (prepare it with the model's "
+            f"tokenizer, task causal-lm and prompt_template {settings['prompt_template']!r})"
+        )
+    return settings["answers"]
 
 
 def write_eval_report(result: dict, path: str | Path) -> None:

@@ -1,4 +1,5 @@
-"""The fine-tuned classifier as an MLflow pyfunc model.
+"""The fine-tuned classifier (or a decoder fine-tuned to answer with the label) as an MLflow
+pyfunc model.
 
     model = mlflow.pyfunc.load_model(uri)
     model.predict(pd.DataFrame({"text": ["Great tacos!"]}))
@@ -12,7 +13,6 @@ programs go to JAX's persistent cache: JAX_COMPILATION_CACHE_DIR, else the user'
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 import mlflow.pyfunc
@@ -37,13 +37,13 @@ class BertTextClassifier(mlflow.pyfunc.PythonModel):
         # Each request shape compiles a program once in this process; with the cache, the
         # server's other workers and its next start load it instead.
         compile_cache.use_user_dir()
-        settings = json.loads((model_dir / weights.SETTINGS_FILE).read_text())
-        self.max_length = int(settings["max_length"])
+        self.settings = weights.read_settings(model_dir)
+        self.max_length = int(self.settings["max_length"])
         model, self.label_names = weights.load_model_dir(model_dir)
         self.tokenizer = load_tokenizer(str(model_dir), self.max_length)
         # One predictor for every request, so each request shape is compiled once: a new one
         # in each request traced and compiled its programs again (0.56-0.60 s for one text).
-        self.predictor = Predictor(model)
+        self.predictor = Predictor(model, self.settings.get("answers"))
 
     def predict(self, context, model_input: pd.DataFrame, params=None) -> pd.DataFrame:
         from kubejax.data.dataset import TokenizedSplit
@@ -54,7 +54,14 @@ class BertTextClassifier(mlflow.pyfunc.PythonModel):
                 f"model_input: needs a {TEXT_COLUMN!r} column, has {list(model_input.columns)}"
             )
         texts = model_input[TEXT_COLUMN].fillna("").astype(str).str.strip().tolist()
-        values, offsets, _ = tokenize(texts, self.tokenizer)
+        answers = self.settings.get("answers")
+        if answers is None:
+            values, offsets, _ = tokenize(texts, self.tokenizer)
+        else:  # a language model answers each review's prompt, as in training
+            from kubejax.data.prompts import encode_prompts
+
+            template, longest = self.settings["prompt_template"], max(map(len, answers))
+            values, offsets, _ = encode_prompts(texts, self.tokenizer, template, longest)
         split = TokenizedSplit(values, offsets, np.zeros(len(texts), dtype=np.int32))
         logits = self.predictor.logits(split, 64, self.max_length)
         probs = np.exp(logits - logits.max(-1, keepdims=True))

@@ -249,3 +249,72 @@ def test_one_training_step_matches_torch(tmp_path):
         torch.nn.utils.clip_grad_norm_(ref.parameters(), 1.0)
         opt.step()
     np.testing.assert_allclose([float(first["loss"]), float(second["loss"])], losses, rtol=1e-4)
+
+
+@pytest.mark.parametrize("family", ["mistral", "gemma3_text"])
+def test_answer_scores_equal_transformers_log_likelihoods(tmp_path, family):
+    """A language model's evaluation scores every label's answer after the prompt in one pass
+    (answers as branches that see the prompt and themselves): each score equals the sum of the
+    answer's log-probabilities that transformers gives for prompt + answer alone. Prompts run
+    past the sliding windows."""
+    from kubejax.data import dataset
+
+    ref = save_tiny(family, tmp_path, head="causal-lm")
+    model = _ours(tmp_path, "causal-lm")
+    rng = np.random.default_rng(2)
+    lengths = rng.integers(3, 20, size=5)
+    values = rng.integers(1, 300, size=int(lengths.sum())).astype(np.int32)
+    split = dataset.TokenizedSplit(values, np.concatenate([[0], np.cumsum(lengths)]), np.zeros(5))
+    answers = [[5], [6, 7], [8, 9, 10]]
+    (batch,) = dataset.scoring_batches(
+        split, answers, batch_size=8, local_devices=1, bucket_multiple=8, max_length=64
+    )
+    inputs = {k: v for k, v in batch.items() if k not in ("rows", "labels", "weights")}
+    ours = np.asarray(model.label_scores(**inputs))[:, 0]
+    rows = batch["rows"][:, 0]
+    expected = np.zeros((len(rows), len(answers)))
+    for r, i in enumerate(rows):
+        if i < 0:
+            continue
+        prompt = values[split.offsets[i] : split.offsets[i + 1]].tolist()
+        for k, answer in enumerate(answers):
+            with torch.no_grad():
+                logits = ref(input_ids=torch.tensor([prompt + answer])).logits[0]
+            logp = torch.log_softmax(logits, -1)[len(prompt) - 1 : -1]
+            expected[r, k] = float(logp[torch.arange(len(answer)), torch.tensor(answer)].sum())
+    real = rows >= 0
+    assert real.sum() == 5
+    assert_close_to_scale(ours[real], expected[real], 1e-4, f"{family} answer scores")
+
+
+def test_the_answer_loss_equals_transformers_on_the_answer_tokens(tmp_path):
+    """Training a language model: a batch of prompts with each row's answer after it
+    (`dataset.with_answers`); the loss is the cross-entropy of the answer tokens alone, as
+    transformers computes it with the prompt's labels masked (-100)."""
+    from kubejax.data import dataset
+    from kubejax.trainer.steps import loss_fn
+
+    ref = save_tiny("qwen3", tmp_path, head="causal-lm")
+    model = _ours(tmp_path, "causal-lm")
+    rng = np.random.default_rng(3)
+    lengths = np.array([7, 12, 4])
+    values = rng.integers(1, 300, size=int(lengths.sum())).astype(np.int32)
+    offsets = np.concatenate([[0], np.cumsum(lengths)])
+    split = dataset.TokenizedSplit(values, offsets, np.array([2, 0, 1], np.int32))
+    answers = [[5], [6, 7], [8, 9, 10]]
+    rows = np.arange(3)
+    batch = dataset.with_answers(dataset.gather(split, rows, 16), split, rows, answers)
+    from flax import nnx
+
+    graphdef, params = nnx.split(model)
+    loss, _ = loss_fn(graphdef, params, batch, None, True)
+    ids = torch.tensor(batch["input_ids"]).long()
+    labels = torch.full_like(ids, -100)
+    for r, i in enumerate(rows):
+        n, answer = lengths[i], answers[split.labels[i]]
+        labels[r, n : n + len(answer)] = torch.tensor(answer)
+    with torch.no_grad():
+        out = ref(
+            input_ids=ids, attention_mask=torch.tensor(batch["attention_mask"]), labels=labels
+        )
+    np.testing.assert_allclose(float(loss), float(out.loss), rtol=1e-4)

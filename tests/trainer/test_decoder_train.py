@@ -4,6 +4,7 @@ tokenizer, training, the exported model, evaluation and the served model's predi
 from __future__ import annotations
 
 import json
+import re
 import shutil
 
 import numpy as np
@@ -59,11 +60,61 @@ def test_served_decoder_predicts_labels(tiny_decoder_dir, prepared_decoder, tmp_
     assert list(table["label"]) == [str(i + 1) for i in probs.argmax(1)]
 
 
+def test_causal_lm_fine_tunes_evaluates_and_serves(tiny_decoder_dir, prepared_prompts, tmp_path):
+    """task causal-lm: the decoder learns to write each review's label after its prompt; the
+    exported language model evaluates by scoring every label's answer, and the served model
+    builds the same prompts (its predictions for test texts are evaluation's)."""
+    import pandas as pd
+
+    from kubejax.data.dataset import load_split
+    from kubejax.evaluate import evaluate_model
+    from kubejax.mlflow_model import BertTextClassifier
+
+    out = tmp_path / "out"
+    args = tiny_args(tiny_decoder_dir, prepared_prompts, out, max_steps=24, learning_rate=3e-3)
+    assert main([*args, "--global-batch-size", "16"]) == 0
+    metrics = json.loads((out / "metrics.json").read_text())
+    losses = [row["loss"] for row in metrics["train"]]
+    assert np.mean(losses[-6:]) < np.mean(losses[:6]), losses
+    config = json.loads((out / "model" / "config.json").read_text())
+    assert config["architectures"] == ["Qwen2ForCausalLM"]
+    settings = json.loads((out / "model" / "kubejax.json").read_text())
+    assert (
+        settings["task"] == "causal-lm"
+        and settings["prompt_template"] == "Review: {review}\nRating:"
+    )
+    result = evaluate_model(out / "model", prepared_prompts)
+    assert result["examples"] == 300 and len(result["confusion_matrix"]) == 5
+    served = BertTextClassifier()
+    served._load(out / "model")
+    texts = load_split(prepared_prompts, "test", with_text=True).texts[:8]
+    table = served.predict(None, pd.DataFrame({"text": texts}))
+    assert list(table["label_id"]) == result["predictions"][:8]
+
+
+def test_prompts_keep_the_template_and_fit_the_answers(tiny_decoder_dir, prepared_prompts):
+    from kubejax.data.dataset import load_split, read_metadata
+    from kubejax.data.tokenizer import load_tokenizer
+
+    meta = read_metadata(prepared_prompts)
+    assert meta["task"] == "causal-lm" and len(meta["answers"]) == 5
+    tok = load_tokenizer(str(tiny_decoder_dir), 64).reference
+    tail = tok.encode("\nRating:", add_special_tokens=False).ids
+    split = load_split(prepared_prompts, "train")
+    longest = max(map(len, meta["answers"]))
+    for i in range(50):
+        row = split.values[split.offsets[i] : split.offsets[i + 1]].tolist()
+        assert row[0] == tok.token_to_id("<|begin_of_text|>") and row[-len(tail) :] == tail
+        assert len(row) + longest <= 64
+    assert meta["splits"]["train"]["truncation_rate"] > 0  # long reviews were cut to fit
+
+
 @pytest.mark.parametrize(
     ("flags", "expected"),
     [
         ({"dropout": 0.1}, "dropout: 0.1, but decoder models train without dropout"),
-        ({"task": "causal-lm"}, "task: 'causal-lm' is not one of classification"),
+        ({"task": "causal-lm"}, "task: 'causal-lm', but"),
+        ({"task": "generate"}, "task: 'generate' is not one of classification, causal-lm"),
     ],
 )
 def test_decoder_settings_refused_before_training(
@@ -73,3 +124,39 @@ def test_decoder_settings_refused_before_training(
     assert main(tiny_args(tiny_decoder_dir, prepared_decoder, out, **flags)) == 2
     assert expected in capsys.readouterr().err
     assert not (out / "model").exists() and not (out / "metrics.json").exists()
+
+
+def test_causal_lm_needs_a_decoder(tiny_model_dir, prepared_prompts, tmp_path, capsys):
+    out = tmp_path / "out"
+    assert main(tiny_args(tiny_model_dir, prepared_prompts, out, max_length=64)) == 2
+    assert "task: 'causal-lm' needs a decoder model" in capsys.readouterr().err
+    assert not (out / "model").exists()
+
+
+@pytest.mark.parametrize(
+    ("settings", "expected"),
+    [
+        ({"prompt_template": "Rate this:"}, "prompt_template: 'Rate this:' must hold {review}"),
+        ({"prompt_template": "{review} {stars}"}, "no other {...} field (found ['review', 'st"),
+        ({"max_length": 10}, "max_length: 10 leaves"),
+        ({"task": "chat"}, "task: 'chat' is not one of classification, causal-lm"),
+    ],
+)
+def test_bad_prompt_settings_are_refused_before_writing(
+    settings, expected, tiny_decoder_dir, yelp_dir, tmp_path
+):
+    from kubejax.data.prepare import PrepareConfig, PrepareError, prepare_yelp
+
+    with pytest.raises(PrepareError, match=re.escape(expected)):
+        cfg = PrepareConfig(tokenizer=str(tiny_decoder_dir), source=str(yelp_dir), **{
+            "task": "causal-lm", "max_length": 64, **settings})  # fmt: skip
+        prepare_yelp(cfg, tmp_path / "data", progress=False)
+    assert not (tmp_path / "data").exists()
+
+
+def test_a_label_without_answer_text_is_refused(tiny_decoder_dir, minilm_dir):
+    from kubejax.data.prompts import PromptError, answer_ids
+    from kubejax.data.tokenizer import load_tokenizer
+
+    with pytest.raises(PromptError, match="label_names: the label ' ' gives an empty answer"):
+        answer_ids(load_tokenizer(str(tiny_decoder_dir), 64), ["good", " "])

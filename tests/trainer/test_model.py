@@ -250,7 +250,7 @@ def test_the_cpu_evaluation_step_keeps_xlas_default_ynnpack_fusions(minilm_dir):
     # also hand YNNPACK the reductions and the softmax around the attention products.
     import jax.numpy as jnp
 
-    from kubejax.models.bert import matrices_in
+    from kubejax.models.kernels import matrices_in
     from kubejax.trainer import distributed
     from kubejax.trainer.steps import make_eval_step
 
@@ -405,7 +405,7 @@ def test_off_cpu_bfloat16_products_return_bfloat16(monkeypatch):
     import jax
     import jax.numpy as jnp
 
-    from kubejax.models.bert import dense, matmul
+    from kubejax.models.kernels import dense, matmul
 
     def dots() -> list[tuple[str, str, str]]:
         """The operand and result types of the products of a dense layer and an attention

@@ -159,10 +159,14 @@ def train_batches(
     start_step: int,
     bucket_multiple: int,
     max_length: int,
+    answers: list[list[int]] | None = None,
 ) -> Iterator[tuple[int, dict[str, np.ndarray]]]:
     """Endless (step, local batch) from `start_step` on; batch arrays are
-    [accum_steps, micro_batch / process_count, length]."""
+    [accum_steps, micro_batch / process_count, length]. With `answers` (prompts, causal-lm)
+    each row's answer follows its prompt (`with_answers`)."""
     lengths = split.lengths
+    if answers is not None:
+        lengths = lengths + np.array([len(a) for a in answers])[split.labels]
     per_epoch = len(lengths) // global_batch
     micro = global_batch // accum_steps
     local = micro // process_count
@@ -175,7 +179,8 @@ def train_batches(
             mine = rows.reshape(accum_steps, micro)[
                 :, process_index * local : (process_index + 1) * local
             ]
-            yield step, gather(split, mine, length)
+            batch = gather(split, mine, length)
+            yield step, batch if answers is None else with_answers(batch, split, mine, answers)
             step += 1
 
 
@@ -281,3 +286,122 @@ def _packed_batch(split, lengths, units, size: int, length: int, slots: int) -> 
         "labels": split.labels[np.maximum(rows, 0)],
         "weights": (rows >= 0).astype(np.float32),
     }
+
+
+# ---------------------------------------------------------------------------------------------
+# Prompts and answers (task=causal-lm: a split's rows are prompts, `answers` each label's
+# answer tokens, `kubejax.data.prompts`)
+
+
+def answer_table(answers: list[list[int]]) -> tuple[np.ndarray, np.ndarray]:
+    """Answers as a padded table [labels, longest] and their lengths [labels]."""
+    lengths = np.array([len(a) for a in answers], np.int64)
+    table = np.zeros((len(answers), int(lengths.max())), np.int32)
+    for i, a in enumerate(answers):
+        table[i, : len(a)] = a
+    return table, lengths
+
+
+def with_answers(batch: dict, split: TokenizedSplit, rows: np.ndarray, answers) -> dict:
+    """A gathered batch of prompts (`gather`) with each row's own answer after its prompt, and
+    what the loss reads: `targets` [..., longest answer] (the answer's tokens), `target_at`
+    (where the token that predicts each one sits) and `target_weights` (1 for a real token)."""
+    table, lengths = answer_table(answers)
+    flat = rows.reshape(-1)
+    ids = batch["input_ids"].reshape(len(flat), -1)
+    mask = batch["attention_mask"].reshape(len(flat), -1)
+    labels = split.labels[flat]
+    prompt = mask.sum(-1)
+    at = prompt[:, None] + np.arange(table.shape[1])[None]
+    real = np.arange(table.shape[1])[None] < lengths[labels][:, None]
+    r = np.repeat(np.arange(len(flat)), table.shape[1]).reshape(at.shape)
+    ids[r[real], at[real]] = table[labels][real]
+    mask[r[real], at[real]] = 1
+    shape = (*rows.shape, table.shape[1])
+    return {
+        **batch,
+        "targets": table[labels].reshape(shape),
+        "target_at": np.maximum(at - 1, 0).astype(np.int32).reshape(shape),
+        "target_weights": real.astype(np.float32).reshape(shape),
+    }
+
+
+def scoring_batches(
+    split: TokenizedSplit,
+    answers: list[list[int]],
+    *,
+    batch_size: int,
+    local_devices: int,
+    bucket_multiple: int,
+    max_length: int,
+    process_index: int = 0,
+    process_count: int = 1,
+    limit: int = 0,
+) -> Iterator[dict[str, np.ndarray]]:
+    """`packed_eval_batches` for prompts: every row (the first `limit`) once, each as its
+    prompt followed by every label's answer, each answer attending to the prompt and to its own
+    earlier tokens only (`branches`: 0 for the prompt, k + 1 for answer k; `positions` go on
+    from the prompt's end in every answer), so one pass scores every label.
+
+    Per row [rows, 1, labels, longest answer]: `score_at` (the token that predicts each answer
+    token), `score_tokens`, `score_weights`; and as in packed batches `rows`, `labels`,
+    `weights` [rows, 1]. Batches go in length order, the last padded to a power of two per
+    device."""
+    table, answer_lengths = answer_table(answers)
+    n = len(split) if limit <= 0 else min(limit, len(split))
+    prompts = np.minimum(split.lengths[:n], max_length)
+    totals = prompts + int(answer_lengths.sum())
+    order = np.argsort(totals, kind="stable")
+    devices = process_count * local_devices
+    for start in range(0, n, batch_size):
+        chosen = order[start : start + batch_size]
+        length = bucket_length(int(totals[chosen].max()), bucket_multiple, 1 << 30)
+        local = _padded_rows(len(chosen), batch_size, devices) // process_count
+        mine = chosen[process_index * local : (process_index + 1) * local]
+        yield _scoring_batch(split, prompts, mine, local, length, table, answer_lengths)
+
+
+def _scoring_batch(split, prompts, rows, size, length, table, answer_lengths) -> dict:
+    k, longest = table.shape
+    ids = np.zeros((size, length), np.int32)
+    segments, positions, branches = np.zeros_like(ids), np.zeros_like(ids), np.zeros_like(ids)
+    at = np.zeros((size, 1, k, longest), np.int32)
+    weights = (np.arange(longest)[None] < answer_lengths[:, None]).astype(np.float32)
+    for r, i in enumerate(rows):
+        n, first = int(prompts[i]), int(split.offsets[i])
+        ids[r, :n] = split.values[first : first + n]
+        positions[r, :n] = np.arange(n)
+        cursor = n
+        for label in range(k):
+            a = int(answer_lengths[label])
+            span = slice(cursor, cursor + a)
+            ids[r, span] = table[label, :a]
+            positions[r, span] = n + np.arange(a)
+            branches[r, span] = label + 1
+            # Answer token 0 is predicted by the prompt's last token, token j by token j - 1.
+            at[r, 0, label, :a] = [n - 1, *range(cursor, cursor + a - 1)]
+            cursor += a
+        segments[r, :cursor] = 1
+    slots = np.full((size, 1), -1, np.int64)
+    slots[: len(rows), 0] = rows
+    return {
+        "input_ids": ids,
+        "segments": segments,
+        "positions": positions,
+        "branches": branches,
+        "score_at": at,
+        "score_tokens": np.broadcast_to(table[None, None], at.shape).copy(),
+        "score_weights": np.broadcast_to(weights[None, None], at.shape).copy(),
+        "rows": slots,
+        "labels": split.labels[np.maximum(slots, 0)],
+        "weights": (slots >= 0).astype(np.float32),
+    }
+
+
+def eval_batches(split: TokenizedSplit, answers: list[list[int]] | None, **kwargs):
+    """The evaluation batches of a split: packed reviews for a classifier, scored answers
+    (`scoring_batches`) for a language model."""
+    if answers is None:
+        return packed_eval_batches(split, **kwargs)
+    kwargs.pop("pack_length", None)
+    return scoring_batches(split, answers, **kwargs)

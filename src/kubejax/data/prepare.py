@@ -29,7 +29,9 @@ import numpy as np
 import pandas as pd
 
 from kubejax import report
+from kubejax.data import prompts
 from kubejax.data.dataset import DEFAULT_BUCKET_MULTIPLE, METADATA_FILE
+from kubejax.data.prompts import DEFAULT_PROMPT_TEMPLATE
 from kubejax.data.tokenizer import TokenizerError, load_tokenizer, tokenize
 from kubejax.errors import KubejaxError
 from kubejax.flags import setting as _f
@@ -58,6 +60,14 @@ class PrepareConfig:
     label_mapping: str = _f("auto", "auto | a JSON object {raw label: id}")
     num_labels: int = _f(0, "0: inferred; else labels must lie in 0..num_labels-1 after mapping")
     max_length: int = _f(256, "truncation length in tokens, [CLS] and [SEP] included")
+    task: str = _f(
+        "classification",
+        "classification (the review's tokens) or causal-lm (decoders: the review in "
+        "prompt_template, each label's name as its answer)",
+    )
+    prompt_template: str = _f(
+        DEFAULT_PROMPT_TEMPLATE, "causal-lm: the prompt, with {review} where the review goes"
+    )
     validation_fraction: float = _f(0.1, "share of train carved out as validation")
     test_fraction: float = _f(0.1, "share carved out as test when the source has no test split")
     max_train_samples: int = _f(0, "stratified cap on train rows; 0: no cap")
@@ -86,6 +96,13 @@ class PrepareConfig:
         for name in ("max_train_samples", "max_validation_samples", "max_test_samples"):
             if getattr(self, name) < 0:
                 raise PrepareError(f"{name}: must be 0 (no cap) or more, got {getattr(self, name)}")
+        if self.task not in ("classification", "causal-lm"):
+            raise PrepareError(f"task: {self.task!r} is not one of classification, causal-lm")
+        if self.task == "causal-lm":
+            try:
+                prompts.check_template(self.prompt_template)
+            except prompts.PromptError as err:
+                raise PrepareError(str(err)) from err
         if self.num_labels < 0 or self.num_labels == 1:
             raise PrepareError(
                 f"num_labels: must be 0 (from the data) or at least 2, got {self.num_labels}"
@@ -371,10 +388,11 @@ def prepare_yelp(cfg: PrepareConfig, out_dir: str | Path, progress: bool = True)
     for split, df in cleaned.items():
         _check_not_empty(df, split, dropped)
     mapping, label_names, num_labels = _assign_labels(cleaned, cfg, class_names)
+    lm = _prompt_metadata(cfg, tok, label_names)
     splits = _split_and_cap(cleaned, cfg, dropped)
     tables, stats = {}, {}
     for split in SPLITS:
-        tables[split], stats[split] = _tokenize_split(splits[split], split, tok, cfg, progress)
+        tables[split], stats[split] = _tokenize_split(splits[split], split, tok, cfg, lm, progress)
         stats[split]["class_counts"] = np.bincount(
             splits[split]["label"].to_numpy(), minlength=num_labels
         ).tolist()
@@ -390,6 +408,8 @@ def prepare_yelp(cfg: PrepareConfig, out_dir: str | Path, progress: bool = True)
         "max_length": cfg.max_length,
         "source": cfg.source,
         "revision": cfg.revision,
+        "task": cfg.task,
+        **lm,
         "config": asdict(cfg),
     }
     _write_atomically(tables, metadata, Path(out_dir), progress)
@@ -453,10 +473,44 @@ def _split_and_cap(cleaned: dict, cfg: PrepareConfig, dropped: dict) -> dict[str
     return out
 
 
-def _tokenize_split(df: pd.DataFrame, split: str, tok, cfg: PrepareConfig, progress: bool):
-    """One split's Arrow table and its length statistics (texts kept for the test split)."""
+def _prompt_metadata(cfg: PrepareConfig, tok, label_names: list[str]) -> dict:
+    """causal-lm: the template and each label's answer tokens, checked (none for
+    classification)."""
+    if cfg.task != "causal-lm":
+        return {}
+    _check_decoder_tokenizer(cfg.tokenizer)
+    try:
+        answers = prompts.answer_ids(tok, label_names)
+    except prompts.PromptError as err:
+        raise PrepareError(str(err)) from err
+    return {"prompt_template": cfg.prompt_template, "answers": answers}
+
+
+def _check_decoder_tokenizer(tokenizer: str) -> None:
+    """causal-lm needs a decoder: refused when the tokenizer's folder says it is an encoder."""
+    config = Path(tokenizer).expanduser() / "config.json"
+    model_type = json.loads(config.read_text()).get("model_type") if config.is_file() else None
+    if model_type == "bert":
+        raise PrepareError(
+            f"task: causal-lm needs a decoder model's tokenizer; {tokenizer} is a {model_type} "
+            "model (llama, mistral, qwen2, qwen3, gemma3_text do causal-lm)"
+        )
+
+
+def _tokenize_split(df: pd.DataFrame, split: str, tok, cfg: PrepareConfig, lm, progress: bool):
+    """One split's Arrow table and its length statistics (texts kept for the test split);
+    causal-lm rows are the reviews' prompts."""
     texts = df["text"].tolist()
-    values, offsets, truncated = tokenize(texts, tok, progress)
+    if lm:
+        longest = max(len(a) for a in lm["answers"])
+        try:
+            values, offsets, truncated = prompts.encode_prompts(
+                texts, tok, cfg.prompt_template, longest, progress
+            )
+        except prompts.PromptError as err:
+            raise PrepareError(str(err)) from err
+    else:
+        values, offsets, truncated = tokenize(texts, tok, progress)
     labels = df["label"].to_numpy()
     table = _arrow_table(values, offsets, labels, texts if split == "test" else None)
     lengths = np.diff(offsets)

@@ -27,7 +27,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from kubejax.models.bert import product
+from kubejax.models.kernels import linear, product
 
 #: config.json `model_type`s this module runs, and the HF class names written on export.
 FAMILIES = {
@@ -213,7 +213,8 @@ def _ropes(hf, layer_types: list[str]) -> dict[str, Rope]:
 
 
 class Linear(nnx.Module):
-    """`x @ kernel (+ bias)`, kernel [in, out] in float32, computed in the compute dtype."""
+    """`x @ kernel (+ bias)`, kernel [in, out] in float32, computed in the compute dtype
+    through `kernels.linear` (its weight gradient in the form XLA's CPU backend runs fast)."""
 
     def __init__(self, n_in: int, n_out: int, bias: bool, dtype, rngs: nnx.Rngs):
         init = nnx.initializers.normal(0.02)
@@ -222,10 +223,10 @@ class Linear(nnx.Module):
         self.dtype = dtype
 
     def __call__(self, x: jax.Array) -> jax.Array:
-        y = product(x.astype(self.dtype), self.kernel[...].astype(self.dtype))
+        y = linear(x.astype(self.dtype), self.kernel[...])
         if self.bias is not None:
-            y = y + self.bias[...]
-        return y.astype(self.dtype)
+            y = (y + self.bias[...]).astype(self.dtype)
+        return y
 
 
 class RMSNorm(nnx.Module):
@@ -258,23 +259,34 @@ def rotate(x: jax.Array, positions: jax.Array, inv_freq) -> jax.Array:
 @dataclasses.dataclass(frozen=True)
 class Tokens:
     """Where each token sits, for the attention masks and RoPE: `segments` [batch, length]
-    (the sequence a token belongs to, 1, 2, ...; 0 for padding), `positions` [batch, length]."""
+    (the sequence a token belongs to, 1, 2, ...; 0 for padding), `positions` [batch, length],
+    and `branches` [batch, length] where several continuations share one prompt (0: the
+    prompt, k: continuation k, which sees the prompt and itself only; None: no branches)."""
 
     segments: jax.Array
     positions: jax.Array
+    branches: jax.Array | None = None
 
     def mask(self, queries: jax.Array | None, window: int | None) -> jax.Array:
-        """[batch, 1, 1, q, length] True where a query may attend: its own sequence, causal,
-        and within `window` tokens (a query sees itself and the window - 1 before it).
-        `queries` [batch, q]: the query tokens' indices (None: every token)."""
+        """[batch, 1, 1, q, length] True where a query may attend: its own sequence (and
+        branch), causal, and within `window` positions (a query sees itself and the window - 1
+        before it). `queries` [batch, q]: the query tokens' indices (None: every token)."""
         length = self.segments.shape[1]
         keys = jnp.arange(length)
         q = jnp.broadcast_to(keys, self.segments.shape) if queries is None else queries
-        q_seg = jnp.take_along_axis(self.segments, q, axis=1)
-        ok = (q_seg[:, :, None] == self.segments[:, None, :]) & (self.segments[:, None, :] > 0)
+
+        def at_queries(x):
+            return jnp.take_along_axis(x, q, axis=1)[:, :, None]
+
+        ok = (at_queries(self.segments) == self.segments[:, None, :]) & (
+            self.segments[:, None, :] > 0
+        )
         ok &= keys[None, None, :] <= q[:, :, None]
+        if self.branches is not None:
+            key_branch = self.branches[:, None, :]
+            ok &= (key_branch == 0) | (key_branch == at_queries(self.branches))
         if window:
-            ok &= keys[None, None, :] > q[:, :, None] - window
+            ok &= self.positions[:, None, :] > at_queries(self.positions) - window
         return ok[:, None, None]
 
 
@@ -403,13 +415,13 @@ class DecoderModel(nnx.Module):
         return self.norm(x)
 
 
-def tokens_of(attention_mask: jax.Array, positions: jax.Array | None) -> Tokens:
+def tokens_of(attention_mask: jax.Array, positions: jax.Array | None, branches=None) -> Tokens:
     """Tokens of a batch: one sequence a row (mask 0/1; positions 0, 1, ... from the row's
     start, as transformers numbers them, whatever the padding: RoPE sees only differences) or
     packed rows (segment ids 1, 2, ... and each token's position in its own sequence)."""
     if positions is None:
         positions = jnp.broadcast_to(jnp.arange(attention_mask.shape[1]), attention_mask.shape)
-    return Tokens(attention_mask.astype(jnp.int32), positions)
+    return Tokens(attention_mask.astype(jnp.int32), positions, branches)
 
 
 def last_tokens(segments: jax.Array, slots: int | None) -> jax.Array:
@@ -485,11 +497,23 @@ class DecoderLM(nnx.Module):
         cap = self.config.final_logit_softcapping
         return logits if cap is None else jnp.tanh(logits / cap) * cap
 
-    def __call__(self, input_ids, attention_mask, *, positions=None, at=None):
+    def __call__(self, input_ids, attention_mask, *, positions=None, branches=None, at=None):
         """Vocabulary logits [batch, length, vocab] (float32); with `at` [batch, q], only at
-        those tokens ([batch, q, vocab])."""
-        tokens = tokens_of(attention_mask, positions)
-        hidden = self.model(input_ids, tokens, None)
-        if at is not None:
-            hidden = jnp.take_along_axis(hidden, at[..., None], axis=1)
-        return self.head(hidden)
+        those tokens ([batch, q, vocab]), the last layer computing those tokens alone."""
+        tokens = tokens_of(attention_mask, positions, branches)
+        return self.head(self.model(input_ids, tokens, at))
+
+    def label_scores(
+        self, input_ids, segments, positions, branches, score_at, score_tokens, score_weights
+    ) -> jax.Array:
+        """Each label's log-likelihood as the answer to each prompt [batch, 1, labels]: the sum
+        over the answer's tokens of their log-probabilities, every answer read in one pass
+        (`dataset.scoring_batches`). A softmax over them is the model's distribution over the
+        labels, so they serve as a classifier's logits."""
+        b, _, k, a = score_at.shape
+        logits = self(
+            input_ids, segments, positions=positions, branches=branches, at=score_at.reshape(b, -1)
+        )
+        logp = jax.nn.log_softmax(logits, axis=-1).reshape(b, 1, k, a, -1)
+        picked = jnp.take_along_axis(logp, score_tokens[..., None], axis=-1)[..., 0]
+        return (picked * score_weights).sum(-1)

@@ -216,10 +216,12 @@ def save_model_dir(
     label_names: list[str],
     tokenizer_dir: Path | None,
     max_length: int = 512,
+    prompts: dict | None = None,
 ) -> None:
     """Write a self-contained model folder: config, weights, tokenizer files, label names,
     which transformers loads as well (`AutoModelForSequenceClassification`, or
-    `AutoModelForCausalLM` for a decoder trained as a language model)."""
+    `AutoModelForCausalLM` for a decoder trained as a language model, with `prompts`: its
+    `prompt_template` and the labels' `answers`, kept in the settings file)."""
     from safetensors.numpy import save_file
 
     out_dir.mkdir(parents=True, exist_ok=True)
@@ -245,7 +247,15 @@ def save_model_dir(
                 (out_dir / name).write_bytes(src.read_bytes())
     (out_dir / LABELS_FILE).write_text(json.dumps(label_names, indent=1))
     settings = {"max_length": max_length, "task": getattr(model, "task", "classification")}
-    (out_dir / SETTINGS_FILE).write_text(json.dumps(settings))
+    (out_dir / SETTINGS_FILE).write_text(json.dumps({**settings, **(prompts or {})}))
+
+
+def read_settings(model_dir: Path) -> dict:
+    """The model folder's settings (`SETTINGS_FILE`): max_length, task and, for a language
+    model, prompt_template and answers; a folder without the file is a classifier."""
+    path = Path(model_dir) / SETTINGS_FILE
+    settings = json.loads(path.read_text()) if path.is_file() else {}
+    return {"max_length": 512, "task": "classification", **settings}
 
 
 def from_pretrained(
@@ -276,7 +286,8 @@ def from_checkpoint(model_dir: Path, cfg, task: str, num_labels: int, dtype, see
 
 def load_model_dir(model_dir: Path, dtype=jnp.float32) -> tuple[object, list[str]]:
     """Load a model folder written by `save_model_dir` (or any classification checkpoint of a
-    supported family): the model and its label names."""
+    supported family): the model (a language model where its settings say causal-lm) and its
+    label names."""
     cfg = load_config(model_dir)
     labels_file = model_dir / LABELS_FILE
     if labels_file.is_file():
@@ -286,7 +297,8 @@ def load_model_dir(model_dir: Path, dtype=jnp.float32) -> tuple[object, list[str
         labels = [id2label[k] for k in sorted(id2label, key=int)]
     else:
         labels = cfg.label_names()
-    model, fresh = from_checkpoint(model_dir, cfg, "classification", len(labels), dtype)
+    task = read_settings(model_dir)["task"]
+    model, fresh = from_checkpoint(model_dir, cfg, task, len(labels), dtype)
     if fresh:
         raise ValueError(f"model: {model_dir} is not a trained classifier (missing {fresh})")
     return model, labels

@@ -26,9 +26,8 @@ OPTIMIZER_SETTINGS = {
     "decay_rate": ("adafactor",),
 }
 DTYPES = ("float32", "bfloat16")
-#: Training tasks. (The decoders' language-model head loads and exports already; training it
-#: on prompts and answers is the next step of the decoder work.)
-TASKS = ("classification",)
+#: Training tasks: a classification head, or a decoder writing each label's answer.
+TASKS = ("classification", "causal-lm")
 
 
 class ConfigError(KubejaxError, ValueError):
@@ -48,9 +47,11 @@ class TrainConfig:
         'or a decoder\'s with its model_type, e.g. \'{"model_type": "qwen2", ...}\'',
     )
     task: str = _f(
-        "classification",
-        "classification: a sequence-classification head on the model (BERT's pooler and "
-        "classifier; a decoder's `score` read at each review's last token)",
+        "",
+        "classification (a sequence-classification head: BERT's pooler and classifier, a "
+        "decoder's `score` read at each review's last token) or causal-lm (a decoder writes "
+        "the label's answer after the review's prompt; data prepared with task causal-lm); "
+        "default: the data's task",
     )
     tokenizer: str = _f(
         "", "tokenizer folder or hub id; default: the model's (for 'scratch': required)"
@@ -141,7 +142,7 @@ class TrainConfig:
             raise ConfigError(f"data_dir: {self.data_dir!r} does not exist")
         if not self.output_dir:
             raise ConfigError("output_dir: required")
-        if self.task not in TASKS:
+        if self.task and self.task not in TASKS:
             raise ConfigError(f"task: {self.task!r} is not one of {', '.join(TASKS)}")
         if self.dtype not in DTYPES:
             raise ConfigError(f"dtype: {self.dtype!r} is not one of {', '.join(DTYPES)}")

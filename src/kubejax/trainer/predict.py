@@ -11,7 +11,7 @@ import numpy as np
 from flax import nnx
 
 from kubejax.data import dataset
-from kubejax.models.bert import matrices_in
+from kubejax.models.kernels import matrices_in
 from kubejax.trainer import distributed
 from kubejax.trainer.steps import make_eval_step
 
@@ -62,11 +62,15 @@ class Predictor:
     each batch shape is traced and compiled once, not again in every call (a served model's
     requests)."""
 
-    def __init__(self, model):
+    def __init__(self, model, answers: list[list[int]] | None = None):
+        """`answers`: for a language model (task causal-lm), each label's answer tokens; its
+        logits are then the labels' log-likelihoods (`DecoderLM.label_scores`)."""
         from jax.sharding import Mesh
 
         devices = jax.local_devices()
-        self.devices, self.num_labels = len(devices), model.num_labels
+        self.answers = answers
+        self.devices = len(devices)
+        self.num_labels = len(answers) if answers is not None else model.num_labels
         mesh = Mesh(np.array(devices), (distributed.DATA_AXIS,))
         graphdef, params = nnx.split(model)
         params = matrices_in(params, model.dtype)
@@ -90,8 +94,9 @@ class Predictor:
             unit="review",
             disable=not (progress and sys.stderr.isatty()),
         )
-        for batch in dataset.packed_eval_batches(
+        for batch in dataset.eval_batches(
             split,
+            self.answers,
             batch_size=batch_size,
             local_devices=self.devices,
             bucket_multiple=dataset.DEFAULT_BUCKET_MULTIPLE,
@@ -107,7 +112,12 @@ class Predictor:
 
 
 def predict_logits(
-    model, split: dataset.TokenizedSplit, batch_size: int, max_length: int, progress: bool = False
+    model,
+    split: dataset.TokenizedSplit,
+    batch_size: int,
+    max_length: int,
+    progress: bool = False,
+    answers: list[list[int]] | None = None,
 ) -> np.ndarray:
     """`Predictor.logits` of `model` for one call."""
-    return Predictor(model).logits(split, batch_size, max_length, progress)
+    return Predictor(model, answers).logits(split, batch_size, max_length, progress)

@@ -15,8 +15,17 @@ from kubejax.trainer import distributed
 
 
 def loss_fn(graphdef, params, batch, key, deterministic: bool):
-    """Mean cross-entropy over the batch, with the accuracy and the logits."""
+    """Mean cross-entropy over the batch, with the accuracy and the logits: of the labels for a
+    classifier; of the answers' tokens for a language model (`targets`, read at `target_at`),
+    a row counted correct when every token of its answer is the most likely one."""
     model = nnx.merge(graphdef, params)
+    if "targets" in batch:
+        logits = model(batch["input_ids"], batch["attention_mask"], at=batch["target_at"])
+        w = batch["target_weights"]
+        ce = optax.softmax_cross_entropy_with_integer_labels(logits, batch["targets"])
+        wrong = (jnp.argmax(logits, -1) != batch["targets"]) & (w > 0)
+        correct = 1.0 - wrong.any(-1).astype(jnp.float32)
+        return (ce * w).sum() / jnp.maximum(w.sum(), 1.0), (correct.mean(), logits)
     rngs = None if deterministic else nnx.Rngs(dropout=key)
     logits = model(
         batch["input_ids"], batch["attention_mask"], deterministic=deterministic, rngs=rngs
@@ -183,16 +192,22 @@ def _logits_in_pieces(model, batch, devices: int, budget: int):
     of at most `budget` tokens per device (0: whole)."""
     size, length = batch["input_ids"].shape
     pieces = size // devices // piece_rows(size // devices, length, budget)
-    inputs = {k: batch[k] for k in ("input_ids", "segments", "positions", "starts")}
+    if "score_at" in batch:  # a language model's scores of every label's answer
+        inputs = {k: v for k, v in batch.items() if k not in ("labels", "weights")}
 
-    def logits_of(xs):
-        return model(
-            xs["input_ids"],
-            xs["segments"],
-            positions=xs["positions"],
-            starts=xs["starts"],
-            deterministic=True,
-        )
+        def logits_of(xs):
+            return model.label_scores(**xs)
+    else:
+        inputs = {k: batch[k] for k in ("input_ids", "segments", "positions", "starts")}
+
+        def logits_of(xs):
+            return model(
+                xs["input_ids"],
+                xs["segments"],
+                positions=xs["positions"],
+                starts=xs["starts"],
+                deterministic=True,
+            )
 
     if pieces == 1:
         return logits_of(inputs)

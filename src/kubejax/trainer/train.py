@@ -33,7 +33,8 @@ from kubejax import monitoring, report, tracking
 from kubejax.data import dataset
 from kubejax.errors import KubejaxError
 from kubejax.models import weights
-from kubejax.models.bert import BertClassifier, BertConfig, matrices_in
+from kubejax.models.bert import BertClassifier, BertConfig
+from kubejax.models.kernels import matrices_in
 from kubejax.trainer import distributed
 from kubejax.trainer.checkpoint import Checkpointer
 from kubejax.trainer.compile_cache import use_user_dir
@@ -86,7 +87,7 @@ def classifier_for(cfg: TrainConfig, num_labels: int) -> tuple[nnx.Module, Path 
             raise ConfigError(f"scratch_config: {err}") from err
         raise ConfigError(f"model: {cfg.model}: {err}") from err
     try:
-        weights.check_task(model_cfg, cfg.task)
+        weights.check_task(model_cfg, cfg.task or "classification")
     except ValueError as err:
         raise ConfigError(str(err)) from err
     _apply_dropout(cfg, model_cfg)
@@ -97,7 +98,7 @@ def classifier_for(cfg: TrainConfig, num_labels: int) -> tuple[nnx.Module, Path 
         # shape or type. (An error of JAX's was once reported as a bad checkpoint.)
         try:
             model, fresh = weights.from_checkpoint(
-                model_dir, model_cfg, cfg.task, num_labels, dtype, cfg.seed
+                model_dir, model_cfg, cfg.task or "classification", num_labels, dtype, cfg.seed
             )
         except (KeyError, TypeError, ValueError, OSError, SafetensorError) as err:
             family = "BERT" if model_cfg.model_type == "bert" else model_cfg.model_type
@@ -138,7 +139,8 @@ def _fresh_model(cfg: TrainConfig, model_cfg, num_labels: int, dtype) -> nnx.Mod
     if weights.is_decoder(model_cfg):
         from kubejax.models import decoder_weights
 
-        return decoder_weights.build(model_cfg, cfg.task, num_labels, dtype, cfg.seed)
+        task = cfg.task or "classification"
+        return decoder_weights.build(model_cfg, task, num_labels, dtype, cfg.seed)
     return BertClassifier(model_cfg, num_labels, dtype, rngs=nnx.Rngs(cfg.seed))
 
 
@@ -216,13 +218,15 @@ def make_optimizer(cfg: TrainConfig) -> optax.GradientTransformation:
 # Evaluation during training
 
 
-def evaluate_split(eval_step, params, split, cfg: TrainConfig, mesh) -> dict:
-    """Loss and accuracy over (up to max_eval_examples of) a split, short reviews packed
-    several to a row as in prediction (`dataset.packed_eval_batches`)."""
+def evaluate_split(eval_step, params, split, cfg: TrainConfig, mesh, answers=None) -> dict:
+    """Loss and accuracy over (up to max_eval_examples of) a split, as in prediction: short
+    reviews packed several to a row (`dataset.packed_eval_batches`), or for a language model
+    every label's answer scored (`dataset.scoring_batches`)."""
     params = matrices_in(params, cfg.dtype)
     totals = {"loss": 0.0, "correct": 0.0, "count": 0.0}
-    for local in dataset.packed_eval_batches(
+    for local in dataset.eval_batches(
         split,
+        answers,
         batch_size=cfg.eval_batch_size,
         process_index=jax.process_index(),
         process_count=jax.process_count(),
@@ -253,6 +257,8 @@ class TrainData:
     num_labels: int
     total_steps: int
     label_names: list[str]
+    #: causal-lm: each label's answer tokens (the data's prompts are answered with them)
+    answers: list[list[int]] | None = None
 
 
 def load_data(cfg: TrainConfig) -> TrainData:
@@ -277,7 +283,9 @@ def load_data(cfg: TrainConfig) -> TrainData:
         )
     label_names = list(meta.get("label_names") or [str(i) for i in range(num_labels)])
     label_names += [str(i) for i in range(len(label_names), num_labels)]
+    answers = _check_task(cfg, meta, num_labels)
     return TrainData(
+        answers=answers,
         train=train,
         val=val,
         meta=meta,
@@ -285,6 +293,32 @@ def load_data(cfg: TrainConfig) -> TrainData:
         total_steps=cfg.max_steps or math.ceil(cfg.epochs * steps_per_epoch),
         label_names=label_names,
     )
+
+
+def _check_task(cfg: TrainConfig, meta: dict, num_labels: int) -> list[list[int]] | None:
+    """Settle `cfg.task` from the data (prompts or not) and check that they agree; the
+    answers of a causal-lm dataset."""
+    prepared = meta.get("task", "classification")
+    cfg.task = cfg.task or prepared
+    if cfg.task != prepared:
+        raise ConfigError(
+            f"task: {cfg.task!r}, but {cfg.data_dir} was prepared for {prepared!r}; prepare it "
+            f"with task {cfg.task!r} or leave task unset"
+        )
+    if cfg.task != "causal-lm":
+        return None
+    prepared_length = int(meta["max_length"])
+    if cfg.max_length < prepared_length:
+        raise ConfigError(
+            f"max_length: {cfg.max_length}, but the prompts of {cfg.data_dir} were cut to fit "
+            f"{prepared_length} tokens with their answers; set max_length to {prepared_length}"
+        )
+    answers = meta["answers"]
+    if len(answers) != num_labels:
+        raise ConfigError(
+            f"num_labels: {num_labels}, but {cfg.data_dir} has answers for {len(answers)} labels"
+        )
+    return answers
 
 
 def host_learning_rates(cfg: TrainConfig, total_steps: int) -> np.ndarray:
@@ -353,6 +387,7 @@ def train_batches(cfg: TrainConfig, data: TrainData, start_step: int):
         start_step=start_step,
         bucket_multiple=cfg.bucket_multiple,
         max_length=cfg.max_length,
+        answers=data.answers,
     )
 
 
@@ -581,6 +616,9 @@ def export_model(cfg: TrainConfig, graphdef, params, data: TrainData, tokenizer_
         data.label_names,
         tokenizer_dir,
         max_length=min(cfg.max_length, int(data.meta.get("max_length", cfg.max_length))),
+        prompts=None
+        if data.answers is None
+        else {"prompt_template": data.meta["prompt_template"], "answers": data.answers},
     )
 
 
@@ -643,7 +681,9 @@ def train_and_evaluate(cfg: TrainConfig) -> dict:
             if eval_due or save_due:
                 progress.flush()
             if eval_due:
-                progress.evaluated(done, evaluate_split(eval_step, params, data.val, cfg, mesh))
+                progress.evaluated(
+                    done, evaluate_split(eval_step, params, data.val, cfg, mesh, data.answers)
+                )
             if save_due:
                 save(done)
         progress.flush()
@@ -651,7 +691,7 @@ def train_and_evaluate(cfg: TrainConfig) -> dict:
         # The end: a last evaluation, checkpoint and model (unless made already or not wanted).
         final_step = max(start_step, min(step + 1, total)) if total else 0
         final_eval = progress.last_eval(final_step) or progress.evaluated(
-            final_step, evaluate_split(eval_step, params, data.val, cfg, mesh)
+            final_step, evaluate_split(eval_step, params, data.val, cfg, mesh, data.answers)
         )
         if cfg.save_final and ckpt.latest_step() != final_step:
             save(final_step)
