@@ -6,10 +6,11 @@ transformers + torch eager, its MFU, and the host memory of loading a checkpoint
 Both sides train the same shape (24 layers, hidden 896, 14 heads, 2 KV heads, intermediate
 4,864, vocabulary 151,936; random weights), `*ForSequenceClassification` with 5 labels, on the
 same random batch, float32, AdamW with clipping, each in a process of its own with every core;
-the figure is the median step after `--warmup` (the first compiles). FLOPs by PERF.md's count,
-the same for both sides: 6·N per token (N = the non-embedding weights; no LM head is computed
-for classification) plus 12·L·H·T for attention (not halved for causality), against the float32
-matmul peak measured in the run (`common.cpu_peak_gflops`).
+the figure is the median step after `--warmup` (the first compiles). Ours runs in the
+environment a job gives the trainer (`common.trainer_env`: glibc's malloc tunable). FLOPs by
+PERF.md's count, the same for both sides: 6·N per token (N = the non-embedding weights; no LM
+head is computed for classification) plus 12·L·H·T for attention (not halved for causality),
+against the float32 matmul peak measured in the run (`common.cpu_peak_gflops`).
 
 Loading: a bfloat16 checkpoint of that shape with untied embeddings (1.26 GB) saved in shards
 by transformers, loaded by `weights.from_checkpoint` in a fresh process; the figure is its peak
@@ -29,7 +30,7 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).parent))
-from common import cpu_peak_gflops, machine, run_json, scratch_dir
+from common import cpu_peak_gflops, machine, run_json, scratch_dir, trainer_env
 
 #: Qwen2.5-0.5B's configuration (its config.json's shape fields).
 QWEN25_05B = {
@@ -81,8 +82,9 @@ def ours(batch: int, length: int, steps: int, warmup: int) -> dict:
 
     from kubejax.models import decoder_weights
     from kubejax.models.decoder import DecoderConfig
-    from kubejax.trainer import distributed, steps
+    from kubejax.trainer import distributed
     from kubejax.trainer.config import TrainConfig
+    from kubejax.trainer.steps import make_train_step
     from kubejax.trainer.train import make_optimizer
 
     cfg = DecoderConfig.from_dict(QWEN25_05B)
@@ -92,7 +94,7 @@ def ours(batch: int, length: int, steps: int, warmup: int) -> dict:
     mesh = distributed.data_mesh()
     params = distributed.replicate(params, mesh)
     opt_state = jax.jit(tx.init)(params)
-    step = steps.make_train_step(graphdef, tx, mesh, 0, model.sparse_embedding)
+    step = make_train_step(graphdef, tx, mesh, 0, model.sparse_embedding)
     ids, mask, labels = _batch(batch, length)
     data = distributed.global_batch(
         {"input_ids": ids[None], "attention_mask": mask[None], "labels": labels[None]},
@@ -171,7 +173,7 @@ def measure(steps: int = 3, batch: int = 8, length: int = 256, warmup: int = 1) 
     common = ["--steps", str(steps), "--batch", str(batch), "--length", str(length)]
     common += ["--warmup", str(warmup)]
     peak = cpu_peak_gflops("float32")
-    mine = run_json([here, "--side", "ours", *common])
+    mine = run_json([here, "--side", "ours", *common], env=trainer_env())  # as a job runs it
     peer = run_json([here, "--side", "torch", *common])
     tokens = batch * length
     flops = flops_per_token(QWEN25_05B, length) * tokens

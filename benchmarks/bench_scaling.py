@@ -62,9 +62,9 @@ def _setup(work: Path) -> tuple[str, Path, Path]:
 
 
 def dp_scaling(model: str, data: Path, work: Path, steps: int, batch: int, rounds: int) -> dict:
-    from kubejax.jaxjob.client import JAXJobClient
-    from kubejax.jaxjob.launch import run_job
-    from kubejax.jaxjob.spec import JAXJobSpec
+    from kubejax.jobs.client import JAXJobClient
+    from kubejax.jobs.launch import run_job
+    from kubejax.jobs.spec import JAXJobSpec
 
     common = dict(
         model=model, data_dir=data, max_steps=steps, global_batch_size=batch, max_length=128,
@@ -186,8 +186,8 @@ def _first_step_seconds(lines: list[tuple]) -> float:
 
 
 def compile_and_trial(model: str, data: Path, work: Path, batch: int) -> dict:
-    from kubejax.jaxjob.client import JAXJobClient
-    from kubejax.jaxjob.launch import run_job
+    from kubejax.jobs.client import JAXJobClient
+    from kubejax.jobs.launch import run_job
     from kubejax.launchers.sweep import trainer_trial_spec
 
     extra = job_env(JAX_COMPILATION_CACHE_DIR=str(work / "cache-compile"))

@@ -22,8 +22,8 @@ ROOT = Path(__file__).parents[1]
 
 def compare_pruners(trials: int = 24, steps: int = 20) -> dict:
     """Trial-steps and best value of the same random search under each pruner."""
-    from kubejax.jaxjob.client import JAXJobClient
-    from kubejax.jaxjob.spec import JAXJobSpec
+    from kubejax.jobs.client import JAXJobClient
+    from kubejax.jobs.spec import JAXJobSpec
     from kubejax.tune import SweepConfig, tune
 
     args = argparse.Namespace(trials=trials, steps=steps)

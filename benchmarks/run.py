@@ -2,6 +2,9 @@
 (each figure beside its peer and its target, the machine named).
 
     .venv/bin/python benchmarks/run.py [--out bench] [--only train,eval]
+
+With `--only`, the other benchmarks' figures already in the results file stay, and `runs` says
+which machine and day each benchmark's figures come from.
 """
 
 from __future__ import annotations
@@ -14,6 +17,7 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).parent))
+import bench_decoder
 import bench_evaluate
 import bench_scaling
 import bench_sweep
@@ -32,6 +36,9 @@ TARGETS = {
     "eval_vs_torch_ratio": (">=", 2.0),
     "sweep_trial_overhead_s": ("<=", 10.0),
     "pruning_saved_fraction": (">=", 0.5),
+    # Issue #43: full fine-tuning of a Qwen2.5-0.5B-shaped decoder, sequence 256, float32.
+    "decoder_vs_torch_ratio": (">=", 1.2),
+    "decoder_mfu": (">=", 0.5),
 }
 #: Each figure's peer measured in the same run.
 PEERS = {
@@ -44,6 +51,9 @@ PEERS = {
     "bucketed_examples_per_s": "padded_512_examples_per_s",
     "real_token_fraction": "real_token_fraction_padded_512",
     "dp_two_processes_examples_per_s": "dp_one_process_one_core_examples_per_s",
+    "decoder_train_tokens_per_s": "decoder_train_peer_tokens_per_s",
+    "decoder_mfu": "decoder_peer_mfu",
+    "decoder_train_peak_rss_gb": "decoder_train_peer_peak_rss_gb",
 }
 BENCHMARKS = {
     "train": bench_train.measure,
@@ -51,6 +61,7 @@ BENCHMARKS = {
     "scaling": bench_scaling.measure,
     "prep": bench_tokenize.measure,
     "sweep": bench_sweep.measure,
+    "decoder": bench_decoder.measure,
 }
 
 
@@ -62,9 +73,13 @@ def met(key: str, value) -> bool | None:
 
 
 def markdown(results: dict) -> str:
+    runs = "".join(
+        f"- `{name}`: {run['machine']}, {run['date']}\n" for name, run in results["runs"].items()
+    )
     rows = [
-        f"# kubejax benchmarks\n\n{results['machine']}, {results['date']}, "
-        f"{results['wall_s']:.0f} s in all (`make bench`).\n",
+        f"# kubejax benchmarks\n\nLast run {results['machine']}, {results['date']}, "
+        f"{results['wall_s']:.0f} s (`make bench`). Each benchmark's figures come from:\n\n"
+        f"{runs}",
         "| figure | value | peer (same run) | target | met |",
         "| --- | --- | --- | --- | --- |",
     ]
@@ -86,23 +101,33 @@ def main() -> None:
     unknown = sorted(set(chosen) - set(BENCHMARKS))
     if unknown:
         p.error(f"--only: unknown {unknown}; known: {', '.join(BENCHMARKS)}")
-    figures, seconds = {}, {}
+    out = Path(args.out)
+    previous = {}
+    if set(chosen) != set(BENCHMARKS) and (out / "results.json").is_file():
+        previous = json.loads((out / "results.json").read_text())
+    figures, seconds = dict(previous.get("figures", {})), dict(previous.get("seconds", {}))
+    today = datetime.date.today().isoformat()
+    runs = previous.get("runs") or {
+        name: {"machine": previous["machine"], "date": previous["date"]}
+        for name in previous.get("seconds", {})
+    }
     t0 = time.monotonic()
     for name in chosen:
         t = time.monotonic()
         print(f"bench: {name} …", file=sys.stderr, flush=True)
         figures.update(BENCHMARKS[name]())
         seconds[name] = round(time.monotonic() - t, 1)
+        runs[name] = {"machine": machine(), "date": today}
     results = {
         "machine": machine(),
-        "date": datetime.date.today().isoformat(),
+        "date": today,
         "wall_s": round(time.monotonic() - t0, 1),
         "seconds": seconds,
+        "runs": runs,
         "figures": figures,
         "targets": {k: f"{op} {v}" for k, (op, v) in TARGETS.items()},
         "met": {k: met(k, figures[k]) for k in TARGETS if k in figures},
     }
-    out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     (out / "results.json").write_text(json.dumps(results, indent=1) + "\n")
     (out / "results.md").write_text(markdown(results))

@@ -1,4 +1,5 @@
-"""The layers: components/pipelines → launchers → jaxjob / tune / trainer → tracking / data.
+"""The layers: components/pipelines → launchers → jobs / tune / trainer → models → tracking /
+data.
 
 A module may import from its own layer or a lower one, never from a higher one; the launchers
 (which run in every KFP task) import no ML framework.
@@ -17,10 +18,11 @@ SRC = Path(__file__).parents[1] / "src" / "kubejax"
 
 #: package → packages it must never import.
 FORBIDDEN = {
-    "trainer": ("kubejax.launchers", "kubejax.tune", "kubejax.jaxjob", "kubejax.components"),
+    "trainer": ("kubejax.launchers", "kubejax.tune", "kubejax.jobs", "kubejax.components"),
     "tune": ("kubejax.launchers", "kubejax.trainer", "kubejax.components", "kubejax.pipelines"),
-    "jaxjob": ("kubejax.launchers", "kubejax.tune", "kubejax.trainer", "kubejax.components"),
-    "data": ("kubejax.launchers", "kubejax.tune", "kubejax.trainer", "kubejax.jaxjob"),
+    "jobs": ("kubejax.launchers", "kubejax.tune", "kubejax.trainer", "kubejax.components"),
+    "models": ("kubejax.launchers", "kubejax.tune", "kubejax.trainer", "kubejax.jobs"),
+    "data": ("kubejax.launchers", "kubejax.tune", "kubejax.trainer", "kubejax.jobs"),
     "launchers": ("kubejax.components", "kubejax.pipelines", "kubejax.local_run"),
 }
 

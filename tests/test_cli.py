@@ -104,7 +104,7 @@ def test_local_run_of_two_workers(command, tmp_path, tiny_model_dir, prepared, c
 def test_render_trainjob_validates_against_the_crd(capsys):
     import jsonschema
 
-    from tests.jaxjob.test_spec import unknown_fields
+    from tests.jobs.test_spec import unknown_fields
 
     crd = Path(__file__).parent / "data" / "trainer-v2.3.0" / "trainer.kubeflow.org_trainjobs.yaml"
     schema = yaml.safe_load(crd.read_text())["spec"]["versions"][0]["schema"]["openAPIV3Schema"]
@@ -275,7 +275,7 @@ def test_every_error_class_reaches_the_user_as_one_line(
     """Each kind of error a user can cause: exit status 2, one line naming the setting, no
     traceback (the cluster case against a FAKE API server that serves neither engine)."""
     import kubejax.errors
-    from tests.jaxjob.fake_k8s import FakeKubernetes
+    from tests.jobs.fake_k8s import FakeKubernetes
 
     with FakeKubernetes(served=()) as fake:
         monkeypatch.setenv("KUBECONFIG", _kubeconfig(tmp_path, fake.host))
@@ -295,7 +295,7 @@ def _subclasses(cls) -> list[type]:
     import kubejax.data.prepare
     import kubejax.evaluate
     import kubejax.flags
-    import kubejax.jaxjob.client
+    import kubejax.jobs.client
     import kubejax.tune  # noqa: F401
 
     out = []

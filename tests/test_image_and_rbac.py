@@ -11,11 +11,11 @@ import yaml
 from packaging.specifiers import SpecifierSet
 from packaging.version import Version
 
-from kubejax.jaxjob.client import JAXJobClient, JobFailedError
-from kubejax.jaxjob.launch import run_job
-from kubejax.jaxjob.spec import JAXJobSpec
+from kubejax.jobs.client import JAXJobClient, JobFailedError
+from kubejax.jobs.launch import run_job
+from kubejax.jobs.spec import JAXJobSpec
 from kubejax.version import IMAGE, IMAGE_REPOSITORY, __version__
-from tests.jaxjob.fake_k8s import FakeKubernetes, condition
+from tests.jobs.fake_k8s import FakeKubernetes, condition
 
 ROOT = Path(__file__).parents[1]
 PYPROJECT = tomllib.loads((ROOT / "pyproject.toml").read_text())

@@ -111,7 +111,7 @@ def test_trainer_logs_params_metrics_and_system_metrics(
         log_every=2,
         mlflow_tracking_uri=mlflow_server,
         mlflow_experiment="trainer-test",
-        mlflow_tags=json.dumps({"kubejax.jaxjob": "job-x"}),
+        mlflow_tags=json.dumps({"kubejax.jobs": "job-x"}),
     )
     assert main(args) == 0
     run_id = json.loads((out / "metrics.json").read_text())["mlflow_run_id"]
@@ -128,7 +128,7 @@ def test_trainer_logs_params_metrics_and_system_metrics(
         "final_eval_accuracy",
     } <= set(run.data.metrics)
     assert any(k.startswith("system/") for k in run.data.metrics)
-    assert run.data.tags["kubejax.jaxjob"] == "job-x"
+    assert run.data.tags["kubejax.jobs"] == "job-x"
 
 
 def test_training_nests_under_the_kfp_task_run(

@@ -168,7 +168,7 @@ def test_pipeline_mlflow_store(local_run):
     assert len(children) == 2
     train = client.get_run(summary["training_run_id"])
     assert train.data.tags["kfp.task_name"] == "train"
-    assert train.data.tags["kfp.run_id"] and train.data.tags["kubejax.jaxjob"]
+    assert train.data.tags["kfp.run_id"] and train.data.tags["kubejax.jobs"]
     assert sweep.data.tags["kfp.run_id"] == train.data.tags["kfp.run_id"]
     assert {"loss", "eval_accuracy", "test_accuracy", "test_macro_f1"} <= set(train.data.metrics)
     assert any(k.startswith("system/") for k in train.data.metrics)

@@ -10,8 +10,8 @@ from pathlib import Path
 
 import pytest
 
-from kubejax.jaxjob.client import JAXJobClient
-from kubejax.jaxjob.spec import JAXJobSpec
+from kubejax.jobs.client import JAXJobClient
+from kubejax.jobs.spec import JAXJobSpec
 from kubejax.launchers.sweep import sweep_with_jaxjobs
 from kubejax.tune import SweepConfig, SweepError, parse_space, tune
 
@@ -320,7 +320,7 @@ def test_trial_jobs_keep_the_users_mlflow_tags():
     )
     args = make(3, {"learning_rate": 1e-4}, "/o", "trial-3-x").args
     tags = json.loads(args[args.index("--mlflow-tags") + 1])
-    assert tags == {"team": "search", "kubejax.trial": "3", "kubejax.jaxjob": "trial-3-x"}
+    assert tags == {"team": "search", "kubejax.trial": "3", "kubejax.jobs": "trial-3-x"}
 
 
 def test_the_tune_component_mirrors_sweep_task_and_sweep_config():

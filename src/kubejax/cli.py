@@ -20,7 +20,7 @@ from pathlib import Path
 
 from kubejax.errors import KubejaxError
 from kubejax.flags import add_flags, from_namespace
-from kubejax.jaxjob.client import BACKENDS, in_cluster
+from kubejax.jobs.client import BACKENDS, in_cluster
 from kubejax.version import IMAGE, __version__
 
 EXIT_BAD_INPUT = 2
@@ -151,7 +151,7 @@ def _add_jaxjob(sub) -> None:
 
 
 def _spec_from_args(args):
-    from kubejax.jaxjob.spec import JAXJobSpec, resources
+    from kubejax.jobs.spec import JAXJobSpec, resources
     from kubejax.launchers.common import TRAINER_COMMAND
 
     env = {}
@@ -178,8 +178,8 @@ def _spec_from_args(args):
 def _jaxjob_render(args) -> int:
     import yaml
 
-    from kubejax.jaxjob.spec import build_manifest
-    from kubejax.jaxjob.trainjob import build_trainjob_manifest
+    from kubejax.jobs.spec import build_manifest
+    from kubejax.jobs.trainjob import build_trainjob_manifest
 
     build = build_trainjob_manifest if args.engine == "trainjob" else build_manifest
     print(yaml.safe_dump(build(_spec_from_args(args)), sort_keys=False), end="")
@@ -187,8 +187,8 @@ def _jaxjob_render(args) -> int:
 
 
 def _jaxjob_run(args) -> int:
-    from kubejax.jaxjob.client import JAXJobClient, JobFailedError
-    from kubejax.jaxjob.launch import run_job
+    from kubejax.jobs.client import JAXJobClient, JobFailedError
+    from kubejax.jobs.launch import run_job
 
     spec = _spec_from_args(args)
     # `jaxjob run` takes --local; `launch` names its engine.

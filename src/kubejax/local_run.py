@@ -21,7 +21,7 @@ from pathlib import Path
 from typing import Any, TextIO
 
 from kubejax import tracking
-from kubejax.jaxjob.local import LOG_DIR_ENV
+from kubejax.jobs.local import LOG_DIR_ENV
 from kubejax.trainer import compile_cache
 
 #: Demo data size: train rows generated, test rows generated.

@@ -14,9 +14,9 @@ import pytest
 from safetensors.numpy import load_file
 
 from kubejax import monitoring
-from kubejax.jaxjob.client import JAXJobClient
-from kubejax.jaxjob.launch import run_job
-from kubejax.jaxjob.spec import JAXJobSpec
+from kubejax.jobs.client import JAXJobClient
+from kubejax.jobs.launch import run_job
+from kubejax.jobs.spec import JAXJobSpec
 from kubejax.trainer.config import ConfigError, TrainConfig
 from kubejax.trainer.train import main as trainer_main
 from tests.helpers import assert_close_to_scale, assert_same_training, tiny_args, trainer_cmd
@@ -211,7 +211,7 @@ def test_batch_not_divisible_by_processes():
 
 @pytest.mark.slow
 def test_batch_not_divisible_by_two_workers_fails_the_job(tmp_path, tiny_model_dir, prepared):
-    from kubejax.jaxjob.client import JobFailedError
+    from kubejax.jobs.client import JobFailedError
 
     with pytest.raises(JobFailedError, match="exited with code 2") as err:
         _run_local(

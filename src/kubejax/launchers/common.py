@@ -18,8 +18,8 @@ from typing import Any
 
 from kubejax import tracking
 from kubejax.flags import to_flags
-from kubejax.jaxjob.client import in_cluster
-from kubejax.jaxjob.spec import JAXJobSpec
+from kubejax.jobs.client import in_cluster
+from kubejax.jobs.spec import JAXJobSpec
 from kubejax.trainer.config import ConfigError, TrainConfig, parser
 
 TRAINER_COMMAND = ["python", "-m", "kubejax.trainer"]

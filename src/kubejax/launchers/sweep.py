@@ -12,8 +12,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from kubejax import report, tracking
-from kubejax.jaxjob.client import JAXJobClient
-from kubejax.jaxjob.spec import JAXJobSpec, job_name
+from kubejax.jobs.client import JAXJobClient
+from kubejax.jobs.spec import JAXJobSpec, job_name
 from kubejax.launchers.common import (
     build_train_spec,
     check_hyperparameters,
@@ -61,7 +61,7 @@ def trainer_trial_spec(
         }
         if parent_run_id:
             hp["mlflow_parent_run_id"] = parent_run_id
-        hp = with_mlflow_tags(hp, {"kubejax.trial": str(number), "kubejax.jaxjob": name})
+        hp = with_mlflow_tags(hp, {"kubejax.trial": str(number), "kubejax.jobs": name})
         return build_train_spec(
             name=name,
             image=image,

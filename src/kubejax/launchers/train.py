@@ -15,9 +15,9 @@ from pathlib import Path
 from typing import Any
 
 from kubejax import monitoring, report, tracking
-from kubejax.jaxjob.client import JAXJobClient
-from kubejax.jaxjob.launch import run_job
-from kubejax.jaxjob.spec import job_name
+from kubejax.jobs.client import JAXJobClient
+from kubejax.jobs.launch import run_job
+from kubejax.jobs.spec import job_name
 from kubejax.launchers.common import (
     build_train_spec,
     copytree,
@@ -78,7 +78,7 @@ def train_with_jaxjob(
     output_dir = root / "output" if workspace else root
     hp = with_mlflow_tags(
         hyperparameters,
-        {"kubejax.jaxjob": name, "kfp.run_id": run_id, "kfp.task_name": task_name},
+        {"kubejax.jobs": name, "kfp.run_id": run_id, "kfp.task_name": task_name},
     )
     if tracking.kfp_task_run():
         # Under KFP's MLflow integration the training run nests under the task's run.

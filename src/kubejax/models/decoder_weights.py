@@ -100,32 +100,58 @@ def _linear(linear, key: str):
         yield linear.bias, f"{key}.bias", False
 
 
-def _set(var: nnx.Variable, value: np.ndarray, key: str) -> None:
-    current = var.get_value()  # a ShapeDtypeStruct in an abstract model
-    if tuple(current.shape) != tuple(value.shape):
-        raise ValueError(f"model: tensor {key} has shape {value.shape}, expected {current.shape}")
-    var.set_value(jnp.asarray(value, dtype=current.dtype))
-
-
 class _Reader:
-    """Tensors by key from a checkpoint's files, each file opened once (memory-mapped)."""
+    """Tensors by key from a checkpoint's files. Each read opens its file anew: a file stays
+    memory-mapped while open, and the pages read through the map count as the process's
+    resident memory until it is unmapped, so a handle kept open for the whole load held a
+    second copy of the checkpoint beside the model (bench/NOTES.md, decoder attempt D4)."""
 
     def __init__(self, files: dict[str, Path]):
         import ml_dtypes  # noqa: F401  (numpy reads bfloat16 tensors through it)
-        from safetensors import safe_open
 
         self.files = files
-        self.handles = {f: safe_open(f, framework="numpy") for f in set(files.values())}
 
-    def get(self, key: str, transpose: bool) -> np.ndarray:
-        value = self.handles[self.files[key]].get_tensor(key).astype(np.float32)
+    def _open(self, key: str):
+        from safetensors import safe_open
+
+        return safe_open(self.files[key], framework="numpy")
+
+    def shape(self, key: str, transpose: bool) -> tuple[int, ...]:
+        with self._open(key) as f:
+            shape = tuple(f.get_slice(key).get_shape())
+        return shape[::-1] if transpose else shape
+
+    def get(self, key: str, transpose: bool, index: tuple = ()) -> np.ndarray:
+        """The tensor (our layout: [in, out] where the file holds [out, in]), or the part of it
+        at `index` (slices over our layout), read alone from the file."""
+        index = tuple(index[::-1] if transpose else index) or (slice(None),)
+        with self._open(key) as f:
+            value = f.get_slice(key)[index].astype(np.float32)
         return value.T if transpose else value
 
 
-def load_pretrained(model, model_dir: Path) -> list[str]:
+def _set(var: nnx.Variable, reader: _Reader, key: str, transpose: bool, sharding) -> None:
+    """Fill `var` from the checkpoint: whole on the default device, or with `sharding` each
+    device's part read straight from the file (no device holds the whole tensor)."""
+    current = var.get_value()  # a ShapeDtypeStruct in an abstract model
+    shape = reader.shape(key, transpose)
+    if tuple(current.shape) != shape:
+        raise ValueError(f"model: tensor {key} has shape {shape[::-1] if transpose else shape}")
+    if sharding is None:
+        var.set_value(jnp.asarray(reader.get(key, transpose), dtype=current.dtype))
+        return
+    var.set_value(
+        jax.make_array_from_callback(
+            shape, sharding, lambda index: reader.get(key, transpose, index).astype(current.dtype)
+        )
+    )
+
+
+def load_pretrained(model, model_dir: Path, placement=None) -> list[str]:
     """Fill an (abstract) decoder from a checkpoint folder, tensor by tensor; returns the parts
     left for fresh initialisation ("score" when the checkpoint has no head of this shape).
-    Raises KeyError naming every missing and unexpected tensor."""
+    Raises KeyError naming every missing and unexpected tensor. `placement(name, shape)`: the
+    sharding of the parameter called `name` (its dotted path), to load it into its shards."""
     files = checkpoint_files(model_dir)
     prefix = _language_prefix(files)
     table = [(var, prefix + key, t) for var, key, t in param_table(model)]
@@ -148,8 +174,10 @@ def load_pretrained(model, model_dir: Path) -> list[str]:
             f"missing {_few(missing)}; unexpected {_few(unexpected)}"
         )
     reader = _Reader(files)
+    names = {id(v): ".".join(map(str, p)) for p, v in nnx.iter_graph(model)} if placement else {}
     for var, key, transpose in table + heads:
-        _set(var, reader.get(key, transpose), key)
+        sharding = placement(names[id(var)], var.get_value().shape) if placement else None
+        _set(var, reader, key, transpose, sharding)
     if isinstance(model, DecoderClassifier) and not heads:
         return ["score"]
     return []
@@ -185,12 +213,14 @@ def _few(keys: list[str], most: int = 6) -> str:
     return ", ".join(keys[:most]) + more
 
 
-def from_pretrained(cfg: DecoderConfig, model_dir: Path, task: str, num_labels: int, dtype, seed):
-    """The decoder of `task` ("classification" or "causal-lm") with the checkpoint's weights;
-    the score head freshly initialised from `seed` when the checkpoint has none. Returns the
-    model and the fresh parts' names."""
+def from_pretrained(
+    cfg: DecoderConfig, model_dir: Path, task: str, num_labels: int, dtype, seed, placement=None
+):
+    """The decoder of `task` ("classification" or "causal-lm") with the checkpoint's weights
+    (in their shards with `placement`, `load_pretrained`); the score head freshly initialised
+    from `seed` when the checkpoint has none. Returns the model and the fresh parts' names."""
     model = nnx.eval_shape(lambda: build(cfg, task, num_labels, dtype, seed))
-    fresh = load_pretrained(model, model_dir)
+    fresh = load_pretrained(model, model_dir, placement)
     if fresh:
         model.init_fresh(fresh, nnx.Rngs(seed))
     return model, fresh

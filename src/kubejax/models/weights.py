@@ -274,13 +274,18 @@ def from_pretrained(
     return model, fresh
 
 
-def from_checkpoint(model_dir: Path, cfg, task: str, num_labels: int, dtype, seed: int = 0):
+def from_checkpoint(
+    model_dir: Path, cfg, task: str, num_labels: int, dtype, seed: int = 0, placement=None
+):
     """The model of `cfg`'s family for `task` with a checkpoint folder's weights; the parts it
-    lacks freshly initialised from `seed`. Returns the model and the fresh parts' names."""
+    lacks freshly initialised from `seed`. Returns the model and the fresh parts' names.
+    `placement(name, shape)`: a decoder's parameters load straight into those shardings."""
     if is_decoder(cfg):
         from kubejax.models import decoder_weights
 
-        return decoder_weights.from_pretrained(cfg, model_dir, task, num_labels, dtype, seed)
+        return decoder_weights.from_pretrained(
+            cfg, model_dir, task, num_labels, dtype, seed, placement
+        )
     return from_pretrained(cfg, num_labels, read_tensors(model_dir), dtype, seed)
 
 

@@ -63,6 +63,12 @@ class TrainConfig:
     max_steps: int = _f(0, "optimizer steps in all; 0 = from epochs")
     global_batch_size: int = _f(32, "examples per optimizer step, over all processes")
     grad_accum_steps: int = _f(1, "micro-batches per optimizer step (global batch split evenly)")
+    mesh: str = _f(
+        "",
+        "device mesh, e.g. 'data=2,fsdp=-1' or 'fsdp=4,tensor=2' (axes data, fsdp, tensor; "
+        "-1: every device left); fsdp shards parameters and optimizer state, tensor splits "
+        "heads and MLP; empty: data-parallel over every device, parameters replicated",
+    )
     max_micro_batch: int = _f(
         0,
         "largest micro-batch per device; 0 = no limit. When the global batch needs more, "

@@ -88,8 +88,13 @@ def replicated(mesh: Mesh) -> NamedSharding:
 
 
 def batch_sharding(mesh: Mesh, leading: int = 0) -> NamedSharding:
-    """Batch arrays split on the batch axis, which follows `leading` unsharded axes."""
-    return NamedSharding(mesh, PartitionSpec(*([None] * leading), DATA_AXIS))
+    """Batch arrays split on the batch axis, which follows `leading` unsharded axes: over
+    `data` (and `fsdp` on a named mesh, `kubejax.trainer.sharding`)."""
+    if mesh.axis_names == (DATA_AXIS,):
+        return NamedSharding(mesh, PartitionSpec(*([None] * leading), DATA_AXIS))
+    from kubejax.trainer.sharding import batch_spec
+
+    return NamedSharding(mesh, batch_spec(mesh, leading))
 
 
 def global_batch(local: dict[str, np.ndarray], mesh: Mesh, leading: int = 0) -> dict:

@@ -56,23 +56,35 @@ def piece_rows(rows: int, length: int, budget: int) -> int:
 
 
 def _piece_budget(mesh) -> int:
+    # On a named mesh (sharded parameters) the partitioner places the whole micro-batch; the
+    # memory bound there is grad_accum_steps.
+    if mesh.axis_names != (distributed.DATA_AXIS,):
+        return 0
     return CPU_PIECE_TOKENS if mesh.devices.flat[0].platform == "cpu" else 0
 
 
-def make_train_step(graphdef, tx, mesh, seed: int, sparse_embedding: str | None = None):
+def make_train_step(
+    graphdef, tx, mesh, seed: int, sparse_embedding: str | None = None, shardings=None
+):
     """One optimizer step over a global batch [accum, micro, length] at the given learning rate;
     state is donated. `sparse_embedding`: the path of an embedding table whose gradient has
     rows only at the batch's tokens (the model's `sparse_embedding`), exchanged as those rows
-    between data-parallel devices; None: every gradient exchanged whole."""
+    between data-parallel devices; None: every gradient exchanged whole.
+
+    `shardings` (parameters', optimizer state's) on a named mesh (`kubejax.trainer.sharding`):
+    the state stays in those shards and the partitioner (GSPMD) gathers and reduces what each
+    product needs (FSDP, tensor parallelism); without, state is replicated and gradients are
+    averaged over the `data` axis by hand."""
     rep = distributed.replicated(mesh)
     base_key = jax.random.key(seed)
     budget = _piece_budget(mesh)
+    params_sh, opt_sh = shardings if shardings is not None else (rep, rep)
 
-    @partial(jax.jit, donate_argnums=(0, 1), out_shardings=(rep, rep, rep))
+    @partial(jax.jit, donate_argnums=(0, 1), out_shardings=(params_sh, opt_sh, rep))
     def train_step(params, opt_state, batch, step, learning_rate):
         key = jax.random.fold_in(base_key, step)
         # Dropout masks are a deterministic function of seed, step and (data-parallel) device.
-        if mesh.size == 1:
+        if mesh.size == 1 or shardings is not None:
             loss, acc, grads = _gradients(graphdef, params, batch, key, budget)
         else:
             loss, acc, grads = _data_parallel_gradients(
@@ -176,7 +188,8 @@ def make_eval_step(graphdef, mesh):
     @partial(jax.jit, out_shardings=(rep, distributed.batch_sharding(mesh)))
     def eval_step(params, batch):
         model = nnx.merge(graphdef, params)
-        logits = _logits_in_pieces(model, batch, mesh.size, budget)
+        devices = mesh.size // mesh.shape.get("tensor", 1)  # those the batch is split over
+        logits = _logits_in_pieces(model, batch, devices, budget)
         ce = optax.softmax_cross_entropy_with_integer_labels(logits, batch["labels"])
         correct = (jnp.argmax(logits, -1) == batch["labels"]).astype(jnp.float32)
         w = batch["weights"]

@@ -35,7 +35,7 @@ from kubejax.errors import KubejaxError
 from kubejax.models import weights
 from kubejax.models.bert import BertClassifier, BertConfig
 from kubejax.models.kernels import matrices_in
-from kubejax.trainer import distributed
+from kubejax.trainer import distributed, sharding
 from kubejax.trainer.checkpoint import Checkpointer
 from kubejax.trainer.compile_cache import use_user_dir
 from kubejax.trainer.config import ConfigError, TrainConfig
@@ -53,10 +53,14 @@ class DivergedError(KubejaxError, RuntimeError):
 # Model and optimizer
 
 
-def build_model(cfg: TrainConfig, data: TrainData) -> tuple[nnx.Module, Path | None, list]:
+def build_model(
+    cfg: TrainConfig, data: TrainData, mesh_sizes: dict | None = None, placement=None
+) -> tuple[nnx.Module, Path | None, list]:
     """The classifier with pretrained weights (or fresh for 'scratch'), its tokenizer folder and
-    the parts initialised fresh; refused when the data's rows are longer than its positions."""
-    model, tokenizer_dir, fresh = classifier_for(cfg, data.num_labels)
+    the parts initialised fresh; refused when the data's rows are longer than its positions,
+    or when the mesh's tensor axis does not divide its heads or MLP (`mesh_sizes`).
+    `placement`: parameters load straight into these shardings (`sharding.placement`)."""
+    model, tokenizer_dir, fresh = classifier_for(cfg, data.num_labels, mesh_sizes, placement)
     positions = model.config.max_position_embeddings
     longest = int(max(data.train.lengths.max(), data.val.lengths.max(initial=0)))
     padded = dataset.bucket_length(longest, cfg.bucket_multiple, cfg.max_length)
@@ -69,7 +73,9 @@ def build_model(cfg: TrainConfig, data: TrainData) -> tuple[nnx.Module, Path | N
     return model, tokenizer_dir, fresh
 
 
-def classifier_for(cfg: TrainConfig, num_labels: int) -> tuple[nnx.Module, Path | None, list]:
+def classifier_for(
+    cfg: TrainConfig, num_labels: int, mesh_sizes: dict | None = None, placement=None
+) -> tuple[nnx.Module, Path | None, list]:
     """The model of `cfg.model` for `cfg.task` (pretrained weights, or fresh for 'scratch') in
     `cfg.dtype` with `cfg.dropout`, its tokenizer folder and the parts initialised fresh."""
     from safetensors import SafetensorError
@@ -88,6 +94,8 @@ def classifier_for(cfg: TrainConfig, num_labels: int) -> tuple[nnx.Module, Path 
         raise ConfigError(f"model: {cfg.model}: {err}") from err
     try:
         weights.check_task(model_cfg, cfg.task or "classification")
+        if mesh_sizes:
+            sharding.check_model(model_cfg, mesh_sizes)
     except ValueError as err:
         raise ConfigError(str(err)) from err
     _apply_dropout(cfg, model_cfg)
@@ -97,8 +105,9 @@ def classifier_for(cfg: TrainConfig, num_labels: int) -> tuple[nnx.Module, Path 
         # Only the checkpoint's errors are named as such: a tensor missing, or of the wrong
         # shape or type. (An error of JAX's was once reported as a bad checkpoint.)
         try:
+            task = cfg.task or "classification"
             model, fresh = weights.from_checkpoint(
-                model_dir, model_cfg, cfg.task or "classification", num_labels, dtype, cfg.seed
+                model_dir, model_cfg, task, num_labels, dtype, cfg.seed, placement
             )
         except (KeyError, TypeError, ValueError, OSError, SafetensorError) as err:
             family = "BERT" if model_cfg.model_type == "bert" else model_cfg.model_type
@@ -402,8 +411,18 @@ def _write_json(path: Path, data: dict) -> None:
 
 
 def _host_params(params):
-    """Replicated global arrays → host NumPy (works on any process)."""
-    return jax.tree.map(lambda a: np.asarray(a.addressable_data(0)), params)
+    """Global arrays → host NumPy: a replicated array's local copy; a sharded one gathered
+    from every process (a collective: every process calls it then)."""
+    from jax.experimental import multihost_utils
+
+    def host(a):
+        if a.is_fully_replicated:
+            return np.asarray(a.addressable_data(0))
+        if a.is_fully_addressable:
+            return np.asarray(jax.device_get(a))
+        return np.asarray(multihost_utils.process_allgather(a, tiled=True))
+
+    return jax.tree.map(host, params)
 
 
 def _writable_dir(path: Path) -> Path:
@@ -608,8 +627,14 @@ class Progress:
 
 
 def export_model(cfg: TrainConfig, graphdef, params, data: TrainData, tokenizer_dir) -> None:
-    """The final model folder (HF layout, tokenizer and labels), written by process 0."""
+    """The final model folder (HF layout, tokenizer and labels), written by process 0; every
+    process calls it (parameters sharded across processes are gathered together)."""
+    spread = any(not a.is_fully_addressable for a in jax.tree.leaves(params))
+    if jax.process_index() != 0 and not spread:
+        return
     host_model = nnx.merge(graphdef, _host_params(params))
+    if jax.process_index() != 0:
+        return
     weights.save_model_dir(
         host_model,
         Path(cfg.output_dir) / MODEL_DIR,
@@ -622,6 +647,51 @@ def export_model(cfg: TrainConfig, graphdef, params, data: TrainData, tokenizer_
     )
 
 
+def make_mesh(cfg: TrainConfig):
+    """The job's mesh from the `mesh` setting, and its axis sizes: one `data` axis when nothing
+    is sharded (the data-parallel step), else the named mesh; the batch fitted to the devices
+    it is split over."""
+    try:
+        sizes = sharding.parse_mesh(cfg.mesh, jax.device_count())
+    except sharding.MeshError as err:
+        raise ConfigError(str(err)) from err
+    cfg.fit_to_devices(sizes["data"] * sizes["fsdp"])
+    if sizes["fsdp"] == sizes["tensor"] == 1:
+        return distributed.data_mesh(), sizes
+    return sharding.make_mesh(sizes), sizes
+
+
+def place_state(params, tx, mesh):
+    """Parameters and a fresh optimizer state on the mesh: replicated, or each in its shards
+    (the moments like their parameters); with the shardings for a sharded train step."""
+    if not sharding.is_sharded(mesh):
+        params = distributed.replicate(params, mesh)
+        opt_state = jax.jit(tx.init, out_shardings=distributed.replicated(mesh))(params)
+        return params, opt_state, None
+    params_sh = sharding.param_shardings(params, mesh)
+    params = jax.device_put(params, params_sh)
+    opt_sh = sharding.state_shardings(tx, jax.eval_shape(tx.init, params), params_sh, mesh)
+    opt_state = jax.jit(tx.init, out_shardings=opt_sh)(params)
+    return params, opt_state, (params_sh, opt_sh)
+
+
+def start_message(cfg: TrainConfig, data: TrainData, start_step: int, fresh: list) -> str:
+    """The run's first line: processes, devices, rows, steps, resume, fresh parts, task."""
+    return (
+        f"kubejax trainer: {jax.process_count()} process(es), {jax.device_count()} "
+        f"{jax.devices()[0].platform} device(s); {len(data.train)} train rows, "
+        f"{data.total_steps} steps"
+        + (f"; resumed at step {start_step}" if start_step else "")
+        + (f"; freshly initialised: {', '.join(fresh)}" if fresh else "")
+        + (
+            f"; task causal-lm: answers of up to {max(map(len, data.answers))} tokens, "
+            "evaluation scores every answer of a prompt in one row (no packing)"
+            if data.answers is not None
+            else ""
+        )
+    )
+
+
 # ---------------------------------------------------------------------------------------------
 # The loop
 
@@ -630,33 +700,29 @@ def train_and_evaluate(cfg: TrainConfig) -> dict:
     """Train per `cfg`, resuming from the latest checkpoint in output_dir; return final metrics."""
     cfg.validate()
     penv = distributed.initialize(timeout_s=cfg.coordinator_timeout)
-    mesh = distributed.data_mesh()
-    cfg.fit_to_devices(jax.device_count())
+    mesh, sizes = make_mesh(cfg)
     out = _writable_dir(Path(cfg.output_dir))
     sampler = monitoring.ResourceSampler().start()
     data = load_data(cfg)
     total = data.total_steps
 
-    # Model and optimizer, replicated on the mesh; resumed from the latest checkpoint.
-    model, tokenizer_dir, fresh = build_model(cfg, data)
+    # Model and optimizer on the mesh (replicated, or in their shards); resumed from the
+    # latest checkpoint.
+    sharded = sharding.is_sharded(mesh)
+    placement = sharding.placement(mesh) if sharded else None
+    model, tokenizer_dir, fresh = build_model(cfg, data, sizes, placement)
     graphdef, params = nnx.split(model)
     host_lr = host_learning_rates(cfg, total)
     tx = make_optimizer(cfg)
-    params = distributed.replicate(params, mesh)
-    opt_state = jax.jit(tx.init, out_shardings=distributed.replicated(mesh))(params)
+    params, opt_state, shardings = place_state(params, tx, mesh)
     ckpt = Checkpointer(out, cfg.keep_checkpoints)
     params, opt_state, start_step, history = restore_latest(ckpt, cfg, params, opt_state)
 
     tracker = start_tracker(cfg, data, resumed=start_step > 0)
     system_monitor = tracker.start_system_metrics("worker-0")  # None on processes 1+
     progress = Progress(cfg, out, tracker, total, host_lr, history, sampler)
-    progress.say(
-        f"kubejax trainer: {jax.process_count()} process(es), {jax.device_count()} "
-        f"{jax.devices()[0].platform} device(s); {len(data.train)} train rows, {total} steps"
-        + (f"; resumed at step {start_step}" if start_step else "")
-        + (f"; freshly initialised: {', '.join(fresh)}" if fresh else "")
-    )
-    train_step = make_train_step(graphdef, tx, mesh, cfg.seed, model.sparse_embedding)
+    progress.say(start_message(cfg, data, start_step, fresh))
+    train_step = make_train_step(graphdef, tx, mesh, cfg.seed, model.sparse_embedding, shardings)
     eval_step = make_eval_step(graphdef, mesh)
 
     def save(step: int) -> None:
@@ -697,9 +763,9 @@ def train_and_evaluate(cfg: TrainConfig) -> dict:
             save(final_step)
         ckpt.wait()
         final = progress.final(final_step, final_eval, time.monotonic() - t_start)
+        if cfg.save_final:
+            export_model(cfg, graphdef, params, data, tokenizer_dir)
         if jax.process_index() == 0:
-            if cfg.save_final:
-                export_model(cfg, graphdef, params, data, tokenizer_dir)
             progress.log_final(final)
         progress.write("completed", final_step, final)
         status = "FINISHED"

@@ -21,9 +21,9 @@ import optuna
 
 from kubejax import tracking
 from kubejax.flags import setting as _f
-from kubejax.jaxjob.client import FAILED, SUCCEEDED, JAXJobClient
-from kubejax.jaxjob.launch import delete_on_sigterm
-from kubejax.jaxjob.spec import JAXJobSpec, job_name
+from kubejax.jobs.client import FAILED, SUCCEEDED, JAXJobClient
+from kubejax.jobs.launch import delete_on_sigterm
+from kubejax.jobs.spec import JAXJobSpec, job_name
 from kubejax.tune.space import (
     ALGORITHMS,
     PRUNERS,

@@ -12,10 +12,10 @@ from __future__ import annotations
 import time
 from collections.abc import Iterator
 
-from kubejax.jaxjob.backend import Backend
-from kubejax.jaxjob.kubernetes import api_client, default_namespace, stream_lines
-from kubejax.jaxjob.spec import JAXJobSpec
-from kubejax.jaxjob.trainjob import (
+from kubejax.jobs.backend import Backend
+from kubejax.jobs.kubernetes import api_client, default_namespace, stream_lines
+from kubejax.jobs.spec import JAXJobSpec
+from kubejax.jobs.trainjob import (
     API_GROUP,
     API_VERSION,
     CONTAINER,
@@ -24,7 +24,7 @@ from kubejax.jaxjob.trainjob import (
     RUNTIME,
     build_trainjob_manifest,
 )
-from kubejax.jaxjob.types import FAILED, RUNNING, SUCCEEDED, SUSPENDED, JobStatus
+from kubejax.jobs.types import FAILED, RUNNING, SUCCEEDED, SUSPENDED, JobStatus
 
 VERSION = API_VERSION.split("/")[1]
 _NOT_FOUND, _CONFLICT = 404, 409

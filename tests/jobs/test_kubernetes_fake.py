@@ -11,10 +11,10 @@ import time
 
 import pytest
 
-from kubejax.jaxjob.client import FAILED, SUCCEEDED, JAXJobClient, JobFailedError
-from kubejax.jaxjob.launch import run_job
-from kubejax.jaxjob.spec import JAXJobSpec
-from tests.jaxjob.fake_k8s import FakeKubernetes, condition
+from kubejax.jobs.client import FAILED, SUCCEEDED, JAXJobClient, JobFailedError
+from kubejax.jobs.launch import run_job
+from kubejax.jobs.spec import JAXJobSpec
+from tests.jobs.fake_k8s import FakeKubernetes, condition
 
 
 def _client(fake: FakeKubernetes) -> JAXJobClient:
@@ -93,9 +93,9 @@ def test_fake_sigterm_deletes_the_job(engine, plural):
     with FakeKubernetes(script=script, served=(engine,)) as fake:
         code = textwrap.dedent(f"""
             from kubernetes import client
-            from kubejax.jaxjob.client import JAXJobClient
-            from kubejax.jaxjob.launch import run_job
-            from kubejax.jaxjob.spec import JAXJobSpec
+            from kubejax.jobs.client import JAXJobClient
+            from kubejax.jobs.launch import run_job
+            from kubejax.jobs.spec import JAXJobSpec
             cfg = client.Configuration(); cfg.host = {fake.host!r}
             c = JAXJobClient("kubernetes", namespace="ns", client_configuration=cfg)
             spec = JAXJobSpec(name="cancel-me", image="i", command=["python"], replicas=1)

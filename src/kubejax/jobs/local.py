@@ -34,9 +34,9 @@ from collections.abc import Callable, Iterator
 from datetime import UTC, datetime
 from pathlib import Path
 
-from kubejax.jaxjob.backend import Backend
-from kubejax.jaxjob.spec import JAXJobSpec
-from kubejax.jaxjob.types import (
+from kubejax.jobs.backend import Backend
+from kubejax.jobs.spec import JAXJobSpec
+from kubejax.jobs.types import (
     CREATED,
     FAILED,
     RESTARTING,

@@ -11,9 +11,9 @@ from pathlib import Path
 
 import pytest
 
-from kubejax.jaxjob.client import FAILED, RESTARTING, SUCCEEDED, JAXJobClient, JobFailedError
-from kubejax.jaxjob.launch import run_job
-from kubejax.jaxjob.spec import JAXJobSpec
+from kubejax.jobs.client import FAILED, RESTARTING, SUCCEEDED, JAXJobClient, JobFailedError
+from kubejax.jobs.launch import run_job
+from kubejax.jobs.spec import JAXJobSpec
 from tests.helpers import tiny_args, trainer_cmd
 
 
@@ -229,8 +229,8 @@ def test_a_crashed_worker_restarts_the_group_which_resumes(
 
 _LAUNCHER = """
 import sys, time
-from kubejax.jaxjob.client import JAXJobClient
-from kubejax.jaxjob.spec import JAXJobSpec
+from kubejax.jobs.client import JAXJobClient
+from kubejax.jobs.spec import JAXJobSpec
 client = JAXJobClient("local", log_root=sys.argv[1])
 code = "import time; time.sleep(120)"
 client.create_job(JAXJobSpec(name="orphan", image="i", command=[sys.executable, "-c", code],
@@ -257,9 +257,9 @@ def test_a_launcher_killed_with_sigkill_leaves_no_orphan_worker(tmp_path):
 
 _TRAIN_LAUNCHER = """
 import json, sys
-from kubejax.jaxjob.client import JAXJobClient
-from kubejax.jaxjob.launch import run_job
-from kubejax.jaxjob.spec import JAXJobSpec
+from kubejax.jobs.client import JAXJobClient
+from kubejax.jobs.launch import run_job
+from kubejax.jobs.spec import JAXJobSpec
 log_root, delete, args = sys.argv[1], sys.argv[2], sys.argv[3:]
 client = JAXJobClient("local", log_root=log_root)
 spec = JAXJobSpec(name="resumable", image="i", command=args[:3], args=args[3:], replicas=2)

@@ -8,8 +8,8 @@ from __future__ import annotations
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Iterator
 
-from kubejax.jaxjob.spec import JAXJobSpec
-from kubejax.jaxjob.types import JobStatus, poll_until
+from kubejax.jobs.spec import JAXJobSpec
+from kubejax.jobs.types import JobStatus, poll_until
 
 
 class Backend(ABC):

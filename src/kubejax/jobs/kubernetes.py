@@ -14,9 +14,9 @@ import time
 from collections.abc import Iterator
 from pathlib import Path
 
-from kubejax.jaxjob.backend import Backend
-from kubejax.jaxjob.spec import API_VERSION, KIND, PLURAL, JAXJobSpec, build_manifest
-from kubejax.jaxjob.types import JobStatus
+from kubejax.jobs.backend import Backend
+from kubejax.jobs.spec import API_VERSION, KIND, PLURAL, JAXJobSpec, build_manifest
+from kubejax.jobs.types import JobStatus
 
 GROUP, VERSION = API_VERSION.split("/")
 _SA_NAMESPACE = Path("/var/run/secrets/kubernetes.io/serviceaccount/namespace")

@@ -12,8 +12,8 @@ import sys
 import threading
 from collections.abc import Callable, Iterator
 
-from kubejax.jaxjob.client import FAILED, TERMINAL, JAXJobClient, JobFailedError, JobStatus
-from kubejax.jaxjob.spec import JAXJobSpec
+from kubejax.jobs.client import FAILED, TERMINAL, JAXJobClient, JobFailedError, JobStatus
+from kubejax.jobs.spec import JAXJobSpec
 
 DELETE_POLICIES = ("always", "on_success", "never")
 

@@ -11,20 +11,20 @@ import jsonschema
 import pytest
 import yaml
 
-from kubejax.jaxjob.client import (
+from kubejax.jobs.client import (
     FAILED,
     SUCCEEDED,
     EngineNotFoundError,
     JAXJobClient,
     JobFailedError,
 )
-from kubejax.jaxjob.launch import run_job
-from kubejax.jaxjob.spec import JAXJobSpec, resources
-from kubejax.jaxjob.trainjob import build_trainjob_manifest
+from kubejax.jobs.launch import run_job
+from kubejax.jobs.spec import JAXJobSpec, resources
+from kubejax.jobs.trainjob import build_trainjob_manifest
 from kubejax.launchers.common import build_train_spec
 from kubejax.trainer.distributed import process_env
-from tests.jaxjob.fake_k8s import FakeKubernetes, condition
-from tests.jaxjob.test_spec import unknown_fields
+from tests.jobs.fake_k8s import FakeKubernetes, condition
+from tests.jobs.test_spec import unknown_fields
 
 DATA = Path(__file__).parents[1] / "data" / "trainer-v2.3.0"
 

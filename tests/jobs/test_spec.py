@@ -8,7 +8,7 @@ import jsonschema
 import pytest
 import yaml
 
-from kubejax.jaxjob.spec import JAXJobSpec, SpecError, build_manifest, job_name, resources
+from kubejax.jobs.spec import JAXJobSpec, SpecError, build_manifest, job_name, resources
 
 CRD = Path(__file__).parents[1] / "data" / "kubeflow.org_jaxjobs.yaml"
 

@@ -19,9 +19,9 @@ from __future__ import annotations
 import os
 from collections.abc import Callable, Iterator
 
-from kubejax.jaxjob.backend import Backend
-from kubejax.jaxjob.spec import JAXJobSpec
-from kubejax.jaxjob.types import (  # noqa: F401  (re-exported: callers import them from here)
+from kubejax.jobs.backend import Backend
+from kubejax.jobs.spec import JAXJobSpec
+from kubejax.jobs.types import (  # noqa: F401  (re-exported: callers import them from here)
     CONDITION_TYPES,
     CREATED,
     FAILED,
@@ -57,7 +57,7 @@ def served_engines(client_configuration=None) -> list[str]:
     """The engines whose CRD the API server serves (discovery), preferred first."""
     from kubernetes.client.rest import ApiException
 
-    from kubejax.jaxjob.kubernetes import api_client
+    from kubejax.jobs.kubernetes import api_client
 
     api = api_client(client_configuration)
     found = []
@@ -101,15 +101,15 @@ class JAXJobClient:
         self.engine = resolve_engine(backend, backend_options.get("client_configuration"))
         self._backend: Backend
         if self.engine == "trainjob":
-            from kubejax.jaxjob.trainjob_backend import TrainJobBackend
+            from kubejax.jobs.trainjob_backend import TrainJobBackend
 
             self._backend = TrainJobBackend(**backend_options)
         elif self.engine == "jaxjob":
-            from kubejax.jaxjob.kubernetes import KubernetesBackend
+            from kubejax.jobs.kubernetes import KubernetesBackend
 
             self._backend = KubernetesBackend(**backend_options)
         else:
-            from kubejax.jaxjob.local import LocalBackend
+            from kubejax.jobs.local import LocalBackend
 
             self._backend = LocalBackend(**backend_options)
 

@@ -16,7 +16,7 @@ backoffLimit).
 
 from __future__ import annotations
 
-from kubejax.jaxjob.spec import LABEL_PREFIX, JAXJobSpec, drop_empty, job_labels, job_metadata
+from kubejax.jobs.spec import LABEL_PREFIX, JAXJobSpec, drop_empty, job_labels, job_metadata
 
 API_GROUP = "trainer.kubeflow.org"
 API_VERSION = f"{API_GROUP}/v1alpha1"

@@ -1,0 +1,53 @@
+"""Logical axis names of every parameter of every family, by the parameter's name.
+
+The models hard-code no sharding: each weight's axes get logical names here (MaxText's: `embed`,
+`heads`, `mlp`, `vocab`), and the trainer maps them to mesh axes with one rules table
+(`kubejax.trainer.sharding.RULES`). Key/value projections' output axis is `heads` too (their KV
+heads split like the query heads; the trainer checks both counts divide the tensor axis).
+Anything not named here (norms, biases over the hidden size, position tables' rows, heads over
+the labels) has no named axis and is replicated.
+"""
+
+from __future__ import annotations
+
+import re
+
+import jax
+
+#: (pattern over the parameter's path, logical axes of its dimensions), first match wins.
+LOGICAL_AXES: tuple[tuple[str, tuple[str | None, ...]], ...] = (
+    (r"(embed_tokens|word)\.embedding$", ("vocab", "embed")),
+    (r"(position|token_type)\.embedding$", (None, "embed")),
+    (r"\.(q_proj|k_proj|v_proj|query|key|value)\.kernel$", ("embed", "heads")),
+    (r"\.(q_proj|k_proj|v_proj|query|key|value)\.bias$", ("heads",)),
+    (r"\.(o_proj|attn_out)\.kernel$", ("heads", "embed")),
+    (r"\.(gate_proj|up_proj|intermediate)\.kernel$", ("embed", "mlp")),
+    (r"\.(gate_proj|up_proj|intermediate)\.bias$", ("mlp",)),
+    (r"\.(down_proj|output)\.kernel$", ("mlp", "embed")),
+    (r"lm_head\.kernel$", ("embed", "vocab")),
+    (r"(score|classifier|pooler)\.kernel$", ("embed", None)),
+)
+
+
+def path_name(path) -> str:
+    """A parameter's dotted path ("model.layers.0.self_attn.q_proj.kernel")."""
+    parts = []
+    for key in path:
+        name = getattr(key, "key", getattr(key, "name", getattr(key, "idx", key)))
+        parts.append(str(name))
+    return ".".join(p for p in parts if p != "value")
+
+
+def logical_axes(name: str, ndim: int) -> tuple[str | None, ...]:
+    """The logical axes of the parameter called `name` with `ndim` dimensions."""
+    for pattern, axes in LOGICAL_AXES:
+        if re.search(pattern, name) and len(axes) == ndim:
+            return axes
+    return (None,) * ndim
+
+
+def logical_tree(params):
+    """The logical axes of every leaf of a parameter tree, as a tree of tuples."""
+    return jax.tree_util.tree_map_with_path(
+        lambda path, x: logical_axes(path_name(path), x.ndim), params
+    )

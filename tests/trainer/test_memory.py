@@ -1,0 +1,88 @@
+"""Memory settings: activation checkpointing (`remat`) keeps the gradients and lowers the
+step's temporaries; bfloat16 weights (`param_dtype`) train with float32 moments."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+
+from kubejax.trainer import distributed, steps
+from kubejax.trainer.config import TrainConfig
+from kubejax.trainer.train import classifier_for, make_optimizer, place_state
+from tests.helpers import assert_close_to_scale
+
+
+def _batch(rows: int = 8, length: int = 96):
+    rng = np.random.default_rng(0)
+    return {
+        "input_ids": rng.integers(1, 300, (rows, length)).astype(np.int32),
+        "attention_mask": np.ones((rows, length), np.int32),
+        "labels": rng.integers(0, 5, rows).astype(np.int32),
+    }
+
+
+def _model(model_dir, **settings):
+    cfg = TrainConfig(model=str(model_dir), data_dir="-", output_dir="-", **settings)
+    return classifier_for(cfg, 5)[0], cfg
+
+
+def test_remat_keeps_the_gradients_and_lowers_the_temporaries(tiny_decoder_dir):
+    grads, temp = {}, {}
+    batch = _batch()
+    for remat in ("none", "minimal", "full"):
+        model, _ = _model(tiny_decoder_dir, remat=remat)
+        graphdef, params = nnx.split(model)
+
+        def loss(p, graphdef=graphdef):
+            return steps.loss_fn(graphdef, p, batch, None, True)[0]
+
+        compiled = jax.jit(jax.grad(loss)).lower(params).compile()
+        temp[remat] = compiled.memory_analysis().temp_size_in_bytes
+        grads[remat] = jax.tree.leaves(compiled(params))
+    for remat in ("minimal", "full"):
+        for ours, expected in zip(grads[remat], grads["none"], strict=True):
+            assert_close_to_scale(np.asarray(ours), np.asarray(expected), 1e-5, remat)
+    assert temp["full"] < temp["minimal"] < temp["none"], temp
+
+
+def test_bfloat16_weights_train_with_float32_moments(tiny_decoder_dir):
+    losses = {}
+    for param_dtype in ("float32", "bfloat16"):
+        model, cfg = _model(tiny_decoder_dir, param_dtype=param_dtype)
+        graphdef, params = nnx.split(model)
+        from kubejax.models.kernels import matrices_in
+
+        params = matrices_in(params, param_dtype)
+        tx = make_optimizer(cfg)
+        mesh = distributed.data_mesh()
+        params, opt_state, shardings = place_state(params, tx, mesh)
+        step = steps.make_train_step(graphdef, tx, mesh, 0, model.sparse_embedding, shardings)
+        batch = distributed.global_batch({k: v[None] for k, v in _batch().items()}, mesh, 1)
+        out = []
+        for i in range(3):
+            params, opt_state, metrics = step(params, opt_state, batch, i, np.float32(1e-3))
+            out.append(float(metrics["loss"]))
+        losses[param_dtype] = out
+        kernels = [p for p in jax.tree.leaves(params) if p.ndim == 2]
+        assert {p.dtype for p in kernels} == {jnp.dtype(param_dtype)}
+        moments = [m for m in jax.tree.leaves(opt_state) if getattr(m, "ndim", 0) == 2]
+        assert moments and {m.dtype for m in moments} == {jnp.dtype(jnp.float32)}
+    np.testing.assert_allclose(losses["bfloat16"], losses["float32"], rtol=2e-2)
+    assert losses["bfloat16"][-1] < losses["bfloat16"][0]
+
+
+@pytest.mark.parametrize(
+    ("settings", "expected"),
+    [
+        ({"remat": "some"}, "remat: 'some' is not one of none, minimal, full"),
+        ({"param_dtype": "float16"}, "param_dtype: 'float16' is not one of float32, bfloat16"),
+    ],
+)
+def test_bad_memory_settings_are_named(settings, expected):
+    from kubejax.trainer.config import ConfigError
+
+    with pytest.raises(ConfigError, match=expected):
+        TrainConfig(model="m", data_dir="d", output_dir="o", **settings).validate(check_paths=False)

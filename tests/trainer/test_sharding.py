@@ -1,0 +1,134 @@
+"""The named mesh: FSDP and tensor parallelism give the replicated run's losses and updates
+with each device holding its share; the trainer runs, checkpoints, resumes on another mesh and
+exports on it (4 CPU devices in processes of their own)."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from kubejax.trainer import sharding
+from tests.helpers import tiny_args
+
+HERE = Path(__file__).parent
+
+
+@pytest.mark.parametrize(
+    ("text", "devices", "expected"),
+    [
+        ("", 4, {"data": 4, "fsdp": 1, "tensor": 1}),
+        ("fsdp=-1", 8, {"data": 1, "fsdp": 8, "tensor": 1}),
+        ("data=2, fsdp=-1, tensor=2", 8, {"data": 2, "fsdp": 2, "tensor": 2}),
+        ("tensor=2", 2, {"data": 1, "fsdp": 1, "tensor": 2}),
+    ],
+)
+def test_mesh_sizes(text, devices, expected):
+    assert sharding.parse_mesh(text, devices) == expected
+
+
+@pytest.mark.parametrize(
+    ("text", "devices", "message"),
+    [
+        ("fsdp=3", 4, "mesh: fsdp=3 makes 3 devices, but the job has 4"),
+        ("fsdp=-1,data=-1", 4, "only one axis may be -1, got data, fsdp"),
+        ("model=2", 2, "'model=2' is not AXIS=SIZE with AXIS one of data, fsdp, tensor"),
+        ("fsdp=3,data=-1", 4, "3 does not divide the 4 devices"),
+        ("fsdp=0", 4, "fsdp=0; a size is positive or -1"),
+    ],
+)
+def test_a_mesh_that_does_not_fit_is_refused_naming_the_numbers(text, devices, message):
+    with pytest.raises(sharding.MeshError, match=message):
+        sharding.parse_mesh(text, devices)
+
+
+def test_a_tensor_axis_must_divide_heads_and_mlp(tiny_decoder_dir):
+    from kubejax.models import weights
+
+    cfg = weights.load_config(tiny_decoder_dir)  # 4 heads, 2 KV heads, MLP 80
+    sharding.check_model(cfg, {"data": 1, "fsdp": 1, "tensor": 2})
+    with pytest.raises(
+        sharding.MeshError, match=r"tensor=4 does not divide .*key_value_heads \(2\)"
+    ):
+        sharding.check_model(cfg, {"data": 1, "fsdp": 1, "tensor": 4})
+
+
+@pytest.fixture(scope="module")
+def sharded_runs(tiny_decoder_dir):
+    """Three train steps of the tiny decoder on each mesh, 4 CPU devices."""
+    meshes = ["", "fsdp=4", "fsdp=2,tensor=2", "data=2,tensor=2"]
+    out = subprocess.run(
+        [sys.executable, str(HERE / "sharded_steps.py"), str(tiny_decoder_dir), *meshes],
+        capture_output=True, text=True, check=True, timeout=600,
+        env={**os.environ, "PYTHONPATH": str(HERE.parents[1])},
+    )  # fmt: skip
+    return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+@pytest.mark.parametrize("mesh", ["fsdp=4", "fsdp=2,tensor=2", "data=2,tensor=2"])
+def test_sharded_steps_equal_the_replicated_ones(sharded_runs, mesh):
+    base, run = sharded_runs[""], sharded_runs[mesh]
+    assert run["devices"] == 4
+    np.testing.assert_allclose(run["losses"], base["losses"], rtol=1e-4)
+    for name, expected in base["params"].items():
+        got, expected = np.asarray(run["params"][name]), np.asarray(expected)
+        scale = np.abs(expected).max()
+        assert np.abs(got - expected).max() <= 2e-4 * scale, name
+
+
+@pytest.mark.parametrize(("mesh", "share"), [("fsdp=4", 0.25), ("fsdp=2,tensor=2", 0.25)])
+def test_each_device_holds_its_share(sharded_runs, mesh, share):
+    """Loaded straight into shards, trained in them: the weight matrices a quarter each, the
+    moments likewise; only vectors (norms) and the 5-label head stay whole."""
+    run = sharded_runs[mesh]
+    sizes = {k: np.asarray(v).size for k, v in sharded_runs[""]["params"].items()}
+    held = sum(run["state_fraction"][k] * n for k, n in sizes.items()) / sum(sizes.values())
+    assert share <= held < share + 0.02
+    assert run["moment_fraction"] == share
+    matrices = {k: v for k, v in run["loaded_fraction"].items() if k.endswith(("kernel", "ing"))}
+    assert min(matrices.values()) == share and matrices["model.embed_tokens.embedding"] == share
+    assert sharded_runs[""]["moment_fraction"] == 1.0
+
+
+def _trainer(args: list[str], devices: int = 4) -> None:
+    env = {**os.environ, "JAX_NUM_CPU_DEVICES": str(devices)}
+    cmd = [sys.executable, "-m", "kubejax.trainer", *args]
+    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
+
+
+def test_trainer_resumes_on_another_mesh_and_exports(tiny_decoder_dir, prepared_decoder, tmp_path):
+    """Saved on fsdp=4, resumed on fsdp=2 × tensor=2: the steps after the checkpoint give the
+    uninterrupted run's losses; the model folder is gathered from the shards."""
+    from safetensors.numpy import load_file
+
+    common = {"schedule": "constant", "warmup_ratio": 0.0, "max_eval_examples": 32}
+    whole, part = tmp_path / "whole", tmp_path / "part"
+    _trainer(tiny_args(tiny_decoder_dir, prepared_decoder, whole, max_steps=4, **common))
+    _trainer(
+        tiny_args(tiny_decoder_dir, prepared_decoder, part, max_steps=2, mesh="fsdp=4", **common)
+    )
+    (part / "model").rename(tmp_path / "model-at-2")
+    _trainer(
+        tiny_args(
+            tiny_decoder_dir, prepared_decoder, part, max_steps=4, mesh="fsdp=2,tensor=2", **common
+        )
+    )
+    losses = {
+        run: [row["loss"] for row in json.loads((run / "metrics.json").read_text())["train"]]
+        for run in (whole, part)
+    }
+    assert len(losses[part]) == 4  # steps 1-2 from the first run's history, 3-4 resumed
+    np.testing.assert_allclose(losses[part], losses[whole], rtol=1e-4)
+    ours, expected = (
+        load_file(part / "model" / "model.safetensors"),
+        load_file(whole / "model" / "model.safetensors"),
+    )
+    assert ours.keys() == expected.keys()
+    for name, value in expected.items():
+        assert np.abs(ours[name] - value).max() <= 2e-4 * np.abs(value).max(), name
