@@ -20,12 +20,14 @@ from __future__ import annotations
 
 import dataclasses
 import math
+from functools import partial
 from typing import Any
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
+from jax.ad_checkpoint import checkpoint_name
 
 from kubejax.models.kernels import linear, product
 
@@ -47,6 +49,15 @@ ACTIVATIONS = {
     "gelu_new": lambda x: jax.nn.gelu(x, approximate=True),
 }
 SLIDING, FULL = "sliding_attention", "full_attention"
+#: Activation checkpointing of each layer (the `remat` setting): what the backward pass keeps
+#: of the forward's intermediates. `minimal` keeps every projection's output (q, k, v, o,
+#: gate, up, down: `Linear` names them) and recomputes the attention and the elementwise work;
+#: `full` keeps only the layer's input.
+REMAT_POLICIES = {
+    "none": None,
+    "minimal": jax.checkpoint_policies.save_only_these_names("projection"),
+    "full": jax.checkpoint_policies.nothing_saveable,
+}
 
 
 @dataclasses.dataclass
@@ -226,7 +237,7 @@ class Linear(nnx.Module):
         y = linear(x.astype(self.dtype), self.kernel[...])
         if self.bias is not None:
             y = (y + self.bias[...]).astype(self.dtype)
-        return y
+        return checkpoint_name(y, "projection")
 
 
 class RMSNorm(nnx.Module):
@@ -256,6 +267,7 @@ def rotate(x: jax.Array, positions: jax.Array, inv_freq) -> jax.Array:
     return x * cos + rotated * sin
 
 
+@jax.tree_util.register_dataclass
 @dataclasses.dataclass(frozen=True)
 class Tokens:
     """Where each token sits, for the attention masks and RoPE: `segments` [batch, length]
@@ -402,6 +414,7 @@ class DecoderModel(nnx.Module):
         # Gemma scales the embeddings by √hidden, rounded to the compute dtype first.
         self.embed_scale = cfg.hidden_size**0.5 if cfg.gemma else None
         self.dtype = dtype
+        self.remat = "none"
 
     def __call__(self, ids: jax.Array, tokens: Tokens, last_queries: jax.Array | None):
         """Final hidden states [batch, length, hidden]; with `last_queries` [batch, q], the last
@@ -410,9 +423,27 @@ class DecoderModel(nnx.Module):
         if self.embed_scale is not None:
             x = x * jnp.asarray(self.embed_scale, x.dtype)
         last = len(self.layers) - 1
+        policy = REMAT_POLICIES[self.remat]
         for i, layer in enumerate(self.layers):
-            x = layer(x, tokens, last_queries if i == last else None)
+            queries = last_queries if i == last else None
+            if self.remat == "none":
+                x = layer(x, tokens, queries)
+            else:
+                x = _checkpointed(layer, policy)(x, tokens, queries)
         return self.norm(x)
+
+
+def _checkpointed(layer: DecoderLayer, policy):
+    """`layer` as a function whose backward pass recomputes what `policy` does not keep. The
+    layer's state goes in as an argument (`jax.checkpoint` of a pure function): `nnx.remat`
+    refused a layer whose parameters came from an enclosing `lax.map` (the evaluation's
+    pieces)."""
+    graphdef, state = nnx.split(layer)
+
+    def run(state, x, tokens, queries):
+        return nnx.merge(graphdef, state)(x, tokens, queries)
+
+    return partial(jax.checkpoint(run, policy=policy), state)
 
 
 def tokens_of(attention_mask: jax.Array, positions: jax.Array | None, branches=None) -> Tokens:

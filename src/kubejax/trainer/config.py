@@ -26,6 +26,7 @@ OPTIMIZER_SETTINGS = {
     "decay_rate": ("adafactor",),
 }
 DTYPES = ("float32", "bfloat16")
+REMATS = ("none", "minimal", "full")
 #: Training tasks: a classification head, or a decoder writing each label's answer.
 TASKS = ("classification", "causal-lm")
 
@@ -63,6 +64,16 @@ class TrainConfig:
     max_steps: int = _f(0, "optimizer steps in all; 0 = from epochs")
     global_batch_size: int = _f(32, "examples per optimizer step, over all processes")
     grad_accum_steps: int = _f(1, "micro-batches per optimizer step (global batch split evenly)")
+    remat: str = _f(
+        "none",
+        "decoders' activation checkpointing: none, minimal (keep the projections' outputs, "
+        "recompute attention and the rest) or full (keep each layer's input only)",
+    )
+    param_dtype: str = _f(
+        "float32",
+        "dtype of the weight matrices held and trained: float32 or bfloat16 (optimizer "
+        "moments and the update stay float32; vectors such as norms stay float32)",
+    )
     mesh: str = _f(
         "",
         "device mesh, e.g. 'data=2,fsdp=-1' or 'fsdp=4,tensor=2' (axes data, fsdp, tensor; "
@@ -152,6 +163,12 @@ class TrainConfig:
             raise ConfigError(f"task: {self.task!r} is not one of {', '.join(TASKS)}")
         if self.dtype not in DTYPES:
             raise ConfigError(f"dtype: {self.dtype!r} is not one of {', '.join(DTYPES)}")
+        if self.param_dtype not in DTYPES:
+            raise ConfigError(
+                f"param_dtype: {self.param_dtype!r} is not one of {', '.join(DTYPES)}"
+            )
+        if self.remat not in REMATS:
+            raise ConfigError(f"remat: {self.remat!r} is not one of {', '.join(REMATS)}")
         self._validate_optimizer()
         if self.schedule not in SCHEDULES:
             raise ConfigError(f"schedule: {self.schedule!r} is not one of {', '.join(SCHEDULES)}")

@@ -11,6 +11,7 @@ import jax.numpy as jnp
 import optax
 from flax import nnx
 
+from kubejax.models.kernels import matrices_in
 from kubejax.trainer import distributed
 
 
@@ -91,8 +92,8 @@ def make_train_step(
                 graphdef, mesh, params, batch, key, budget, sparse_embedding
             )
         hyperparams = {**opt_state.hyperparams, "learning_rate": learning_rate}
-        updates, opt_state = tx.update(grads, opt_state._replace(hyperparams=hyperparams), params)
-        params = optax.apply_updates(params, updates)
+        opt_state = opt_state._replace(hyperparams=hyperparams)
+        params, opt_state = _update(tx, params, grads, opt_state)
         metrics = {
             "loss": loss,
             "accuracy": acc,
@@ -102,6 +103,16 @@ def make_train_step(
         return params, opt_state, metrics
 
     return train_step
+
+
+def _update(tx, params, grads, opt_state):
+    """The optimizer's step in float32: weights held in bfloat16 (`param_dtype`) are updated
+    as float32 and rounded once, their moments kept in float32 (for float32 weights the casts
+    are no-ops)."""
+    full = matrices_in(params, jnp.float32)
+    updates, opt_state = tx.update(matrices_in(grads, jnp.float32), opt_state, full)
+    new = optax.apply_updates(full, updates)
+    return jax.tree.map(lambda n, p: n.astype(p.dtype), new, params), opt_state
 
 
 def _data_parallel_gradients(graphdef, mesh, params, batch, key, budget: int, sparse_embedding):

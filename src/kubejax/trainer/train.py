@@ -99,6 +99,8 @@ def classifier_for(
     except ValueError as err:
         raise ConfigError(str(err)) from err
     _apply_dropout(cfg, model_cfg)
+    if cfg.remat != "none" and not weights.is_decoder(model_cfg):
+        raise ConfigError(f"remat: {cfg.remat!r} applies to decoder models; BERT trains without")
     if model_dir is None:
         model, fresh = _fresh_model(cfg, model_cfg, num_labels, dtype), ["all"]
     else:
@@ -113,6 +115,8 @@ def classifier_for(
             family = "BERT" if model_cfg.model_type == "bert" else model_cfg.model_type
             unusable = f"model: {cfg.model} is not a usable {family} checkpoint"
             raise ConfigError(f"{unusable} ({str(err).removeprefix('model: ')})") from err
+    if weights.is_decoder(model_cfg):
+        model.model.remat = cfg.remat
     tokenizer_dir = Path(cfg.tokenizer) if cfg.tokenizer else model_dir
     if tokenizer_dir is not None and not tokenizer_dir.is_dir():
         tokenizer_dir = weights.resolve_model_dir(str(tokenizer_dir))
@@ -664,14 +668,19 @@ def make_mesh(cfg: TrainConfig):
 def place_state(params, tx, mesh):
     """Parameters and a fresh optimizer state on the mesh: replicated, or each in its shards
     (the moments like their parameters); with the shardings for a sharded train step."""
+
+    # The optimizer's state is float32 whatever the weights' dtype (`param_dtype`).
+    def init(params):
+        return tx.init(matrices_in(params, jnp.float32))
+
     if not sharding.is_sharded(mesh):
         params = distributed.replicate(params, mesh)
-        opt_state = jax.jit(tx.init, out_shardings=distributed.replicated(mesh))(params)
+        opt_state = jax.jit(init, out_shardings=distributed.replicated(mesh))(params)
         return params, opt_state, None
     params_sh = sharding.param_shardings(params, mesh)
     params = jax.device_put(params, params_sh)
-    opt_sh = sharding.state_shardings(tx, jax.eval_shape(tx.init, params), params_sh, mesh)
-    opt_state = jax.jit(tx.init, out_shardings=opt_sh)(params)
+    opt_sh = sharding.state_shardings(tx, jax.eval_shape(init, params), params_sh, mesh)
+    opt_state = jax.jit(init, out_shardings=opt_sh)(params)
     return params, opt_state, (params_sh, opt_sh)
 
 
@@ -712,6 +721,7 @@ def train_and_evaluate(cfg: TrainConfig) -> dict:
     placement = sharding.placement(mesh) if sharded else None
     model, tokenizer_dir, fresh = build_model(cfg, data, sizes, placement)
     graphdef, params = nnx.split(model)
+    params = matrices_in(params, cfg.param_dtype)
     host_lr = host_learning_rates(cfg, total)
     tx = make_optimizer(cfg)
     params, opt_state, shardings = place_state(params, tx, mesh)
