@@ -22,7 +22,7 @@ def prepare_yelp(
     num_labels: int = 0,
     max_length: int = 256,
     task: str = "classification",
-    prompt_template: str = "Review: {review}\nRating:",
+    prompt_template: str = "",
     validation_fraction: float = 0.1,
     max_train_samples: int = 0,
     max_validation_samples: int = 0,
@@ -51,7 +51,8 @@ def prepare_yelp(
         task: `classification` (the reviews' tokens, for a classification head) or `causal-lm`
             (decoders: each review as `prompt_template`, each label's name as its answer; the
             train step then fine-tunes the model to write the answer).
-        prompt_template: causal-lm: the prompt, with `{review}` where the review goes.
+        prompt_template: causal-lm: the prompt, with `{review}` where the review goes; empty:
+            kubejax's default, "Review: {review}" and "Rating:" on the next line.
         validation_fraction: Share of train carved out as validation.
         max_train_samples: Stratified cap on train rows; 0 for none.
         max_validation_samples: Stratified cap on validation rows; 0 for none.

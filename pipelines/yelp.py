@@ -136,7 +136,7 @@ def yelp_pipeline(
     label_column: str = "label",
     max_length: int = 256,
     task: str = "classification",
-    prompt_template: str = "Review: {review}\nRating:",
+    prompt_template: str = "",
     max_train_samples: int = 0,
     max_validation_samples: int = 10000,
     max_test_samples: int = 0,
@@ -176,7 +176,8 @@ def yelp_pipeline(
         max_length: Token truncation length.
         task: classification (a classification head on the model) or causal-lm (a decoder
             fine-tuned to write each review's label after `prompt_template`).
-        prompt_template: causal-lm: the prompt, with {review} where the review goes.
+        prompt_template: causal-lm: the prompt, with {review} where the review goes; empty:
+            kubejax's default ("Review: {review}", then "Rating:" on the next line).
         max_train_samples: Stratified cap on train rows (0: all).
         max_validation_samples: Stratified cap on validation rows (0: all).
         max_test_samples: Stratified cap on test rows (0: all).
@@ -293,7 +294,7 @@ def train_eval_pipeline(
     label_column: str = "label",
     max_length: int = 256,
     task: str = "classification",
-    prompt_template: str = "Review: {review}\nRating:",
+    prompt_template: str = "",
     max_train_samples: int = 0,
     max_validation_samples: int = 10000,
     max_test_samples: int = 0,
@@ -319,7 +320,8 @@ def train_eval_pipeline(
         max_length: Token truncation length.
         task: classification (a classification head on the model) or causal-lm (a decoder
             fine-tuned to write each review's label after `prompt_template`).
-        prompt_template: causal-lm: the prompt, with {review} where the review goes.
+        prompt_template: causal-lm: the prompt, with {review} where the review goes; empty:
+            kubejax's default ("Review: {review}", then "Rating:" on the next line).
         max_train_samples: Stratified cap on train rows (0: all).
         max_validation_samples: Stratified cap on validation rows (0: all).
         max_test_samples: Stratified cap on test rows (0: all).

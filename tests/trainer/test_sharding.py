@@ -132,3 +132,39 @@ def test_trainer_resumes_on_another_mesh_and_exports(tiny_decoder_dir, prepared_
     assert ours.keys() == expected.keys()
     for name, value in expected.items():
         assert np.abs(ours[name] - value).max() <= 2e-4 * np.abs(value).max(), name
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("contract", ["jaxjob", "trainjob"])
+def test_two_processes_of_two_devices_give_one_process_losses(
+    contract, tiny_decoder_dir, prepared_decoder, tmp_path, monkeypatch
+):
+    """data=2 × fsdp=2 over 2 local workers of 2 CPU devices each (gloo between them), under
+    either engine's environment: the single process's losses; the model is gathered from the
+    shards the two processes hold."""
+    from safetensors.numpy import load_file
+
+    from kubejax.jobs.client import JAXJobClient
+    from kubejax.jobs.launch import run_job
+    from kubejax.jobs.spec import JAXJobSpec
+    from tests.helpers import trainer_cmd
+
+    flags = {"max_steps": 3, "max_eval_examples": 32, "global_batch_size": 8}
+    one, two = tmp_path / "one", tmp_path / "two"
+    _trainer(tiny_args(tiny_decoder_dir, prepared_decoder, one, **flags), devices=1)
+    monkeypatch.setenv("JAX_NUM_CPU_DEVICES", "2")
+    args = tiny_args(tiny_decoder_dir, prepared_decoder, two, mesh="data=2,fsdp=2", **flags)
+    client = JAXJobClient("local", log_root=tmp_path / "logs", env_contract=contract)
+    job = JAXJobSpec(name=f"fsdp-{contract}", image="local", command=trainer_cmd()[:3],
+                     args=args, replicas=2)  # fmt: skip
+    run_job(client, job, timeout=300, polling_interval=0.2, log=None)
+    metrics = {run: json.loads((run / "metrics.json").read_text()) for run in (one, two)}
+    assert metrics[two]["final"]["num_processes"] == 2
+    np.testing.assert_allclose(
+        [r["loss"] for r in metrics[two]["train"]],
+        [r["loss"] for r in metrics[one]["train"]],
+        rtol=1e-4,
+    )
+    ours, expected = (load_file(run / "model" / "model.safetensors") for run in (two, one))
+    for name, value in expected.items():
+        assert np.abs(ours[name] - value).max() <= 2e-4 * np.abs(value).max(), name

@@ -66,7 +66,8 @@ class PrepareConfig:
         "prompt_template, each label's name as its answer)",
     )
     prompt_template: str = _f(
-        DEFAULT_PROMPT_TEMPLATE, "causal-lm: the prompt, with {review} where the review goes"
+        DEFAULT_PROMPT_TEMPLATE,
+        "causal-lm: the prompt, with {review} where the review goes (empty: the default)",
     )
     validation_fraction: float = _f(0.1, "share of train carved out as validation")
     test_fraction: float = _f(0.1, "share carved out as test when the source has no test split")
@@ -96,6 +97,7 @@ class PrepareConfig:
         for name in ("max_train_samples", "max_validation_samples", "max_test_samples"):
             if getattr(self, name) < 0:
                 raise PrepareError(f"{name}: must be 0 (no cap) or more, got {getattr(self, name)}")
+        self.prompt_template = self.prompt_template or DEFAULT_PROMPT_TEMPLATE
         if self.task not in ("classification", "causal-lm"):
             raise PrepareError(f"task: {self.task!r} is not one of classification, causal-lm")
         if self.task == "causal-lm":
