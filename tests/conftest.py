@@ -105,23 +105,26 @@ def yelp_dir(tmp_path_factory) -> Path:
     return write_yelp_dir(tmp_path_factory.mktemp("yelp") / "yelp", 1500, 300, seed=0)
 
 
+def _prepare(tmp_path_factory, source: Path, tokenizer: Path, name: str, **settings) -> Path:
+    """`source` prepared with `tokenizer` at max_length 64, 150 validation rows."""
+    from kubejax.data.prepare import PrepareConfig, prepare_yelp
+
+    out = tmp_path_factory.mktemp("prepared") / name
+    cfg = PrepareConfig(
+        tokenizer=str(tokenizer),
+        source=str(source),
+        max_length=64,
+        max_validation_samples=150,
+        **settings,
+    )
+    prepare_yelp(cfg, out, progress=False)
+    return out
+
+
 @pytest.fixture(scope="session")
 def prepared(tmp_path_factory, yelp_dir, minilm_dir) -> Path:
     """The synthetic data prepared with MiniLM's tokenizer at max_length 64."""
-    from kubejax.data.prepare import PrepareConfig, prepare_yelp
-
-    out = tmp_path_factory.mktemp("prepared") / "data"
-    prepare_yelp(
-        PrepareConfig(
-            tokenizer=str(minilm_dir),
-            source=str(yelp_dir),
-            max_length=64,
-            max_validation_samples=150,
-        ),
-        out,
-        progress=False,
-    )
-    return out
+    return _prepare(tmp_path_factory, yelp_dir, minilm_dir, "data")
 
 
 @pytest.fixture(scope="session")
@@ -199,37 +202,10 @@ def tiny_decoder_dir(tmp_path_factory) -> Path:
 @pytest.fixture(scope="session")
 def prepared_decoder(tmp_path_factory, yelp_dir, tiny_decoder_dir) -> Path:
     """The synthetic data prepared with the tiny decoder's tokenizer at max_length 64."""
-    from kubejax.data.prepare import PrepareConfig, prepare_yelp
-
-    out = tmp_path_factory.mktemp("prepared") / "decoder-data"
-    prepare_yelp(
-        PrepareConfig(
-            tokenizer=str(tiny_decoder_dir),
-            source=str(yelp_dir),
-            max_length=64,
-            max_validation_samples=150,
-        ),
-        out,
-        progress=False,
-    )
-    return out
+    return _prepare(tmp_path_factory, yelp_dir, tiny_decoder_dir, "decoder-data")
 
 
 @pytest.fixture(scope="session")
 def prepared_prompts(tmp_path_factory, yelp_dir, tiny_decoder_dir) -> Path:
     """The synthetic data as prompts and answers (task causal-lm) for the tiny decoder."""
-    from kubejax.data.prepare import PrepareConfig, prepare_yelp
-
-    out = tmp_path_factory.mktemp("prepared") / "prompt-data"
-    prepare_yelp(
-        PrepareConfig(
-            tokenizer=str(tiny_decoder_dir),
-            source=str(yelp_dir),
-            max_length=64,
-            max_validation_samples=150,
-            task="causal-lm",
-        ),
-        out,
-        progress=False,
-    )
-    return out
+    return _prepare(tmp_path_factory, yelp_dir, tiny_decoder_dir, "prompt-data", task="causal-lm")
