@@ -403,5 +403,4 @@ def eval_batches(split: TokenizedSplit, answers: list[list[int]] | None, **kwarg
     (`scoring_batches`) for a language model."""
     if answers is None:
         return packed_eval_batches(split, **kwargs)
-    kwargs.pop("pack_length", None)
     return scoring_batches(split, answers, **kwargs)

@@ -155,7 +155,8 @@ def load_pretrained(model, model_dir: Path, placement=None) -> list[str]:
     files = checkpoint_files(model_dir)
     prefix = _language_prefix(files)
     table = [(var, prefix + key, t) for var, key, t in param_table(model)]
-    heads = _heads(model, files, prefix)
+    reader = _Reader(files)
+    heads = _heads(model, reader, prefix)
     wanted = {key for _, key, _ in table} | {key for _, key, _ in heads}
     missing = sorted(wanted - set(files))
     optional = {"lm_head.weight", "score.weight", prefix + "lm_head.weight"}
@@ -173,7 +174,6 @@ def load_pretrained(model, model_dir: Path, placement=None) -> list[str]:
             f"model: the checkpoint in {model_dir} does not match its config.json: "
             f"missing {_few(missing)}; unexpected {_few(unexpected)}"
         )
-    reader = _Reader(files)
     names = {id(v): ".".join(map(str, p)) for p, v in nnx.iter_graph(model)} if placement else {}
     for var, key, transpose in table + heads:
         sharding = placement(names[id(var)], var.get_value().shape) if placement else None
@@ -183,27 +183,20 @@ def load_pretrained(model, model_dir: Path, placement=None) -> list[str]:
     return []
 
 
-def _heads(model, files: dict, prefix: str) -> list:
+def _heads(model, reader: _Reader, prefix: str) -> list:
     """The head tensors to load: `score` of the right shape for a classifier, `lm_head` of an
     untied language model."""
+    files = reader.files
     if isinstance(model, DecoderClassifier):
         if "score.weight" not in files:
             return []
-        shape = _tensor_shape(files, "score.weight")
-        if shape != (model.num_labels, model.config.hidden_size):
+        if reader.shape("score.weight", False) != (model.num_labels, model.config.hidden_size):
             return []
         return [(model.score.kernel, "score.weight", True)]
     if model.lm_head is None:
         return []
     key = "lm_head.weight" if "lm_head.weight" in files else prefix + "lm_head.weight"
     return [(model.lm_head.kernel, key, True)]
-
-
-def _tensor_shape(files: dict, key: str) -> tuple[int, ...]:
-    from safetensors import safe_open
-
-    with safe_open(files[key], framework="numpy") as f:
-        return tuple(f.get_slice(key).get_shape())
 
 
 def _few(keys: list[str], most: int = 6) -> str:
@@ -285,39 +278,37 @@ def _old_rope_keys(cfg: DecoderConfig) -> dict:
 
 def save(model, out_dir: Path) -> None:
     """Weights as safetensors shards of at most SHARD_BYTES (one file when they fit), with
-    transformers' index for several."""
+    transformers' index for several; one shard's arrays in host memory at a time."""
     from safetensors.numpy import save_file
 
-    shards: list[dict[str, np.ndarray]] = [{}]
-    size, total = 0, 0
-    names = []
+    parts: list[list[str]] = []  # each written shard's keys
+    shard: dict[str, np.ndarray] = {}
+    size = total = 0
 
     def flush():
-        names.append(f"part-{len(names)}")
-        path = out_dir / f"{names[-1]}.tmp"
-        save_file(shards[-1], str(path), metadata={"format": "pt"})
-        shards[-1] = {k: None for k in shards[-1]}  # keys only, the arrays go
+        save_file(shard, str(out_dir / f"part-{len(parts)}.tmp"), metadata={"format": "pt"})
+        parts.append(list(shard))
+        shard.clear()
 
     for key, value in export_tensors(model):
         if size and size + value.nbytes > SHARD_BYTES:
             flush()
-            shards.append({})
             size = 0
-        shards[-1][key] = value
+        shard[key] = value
         size += value.nbytes
         total += value.nbytes
     flush()
-    _name_shards(out_dir, names, shards, total)
+    _name_shards(out_dir, parts, total)
 
 
-def _name_shards(out_dir: Path, parts: list[str], shards: list[dict], total: int) -> None:
+def _name_shards(out_dir: Path, parts: list[list[str]], total: int) -> None:
     if len(parts) == 1:
-        (out_dir / f"{parts[0]}.tmp").replace(out_dir / SAFETENSORS)
+        (out_dir / "part-0.tmp").replace(out_dir / SAFETENSORS)
         return
     weight_map = {}
-    for i, (part, keys) in enumerate(zip(parts, shards, strict=True)):
+    for i, keys in enumerate(parts):
         name = f"model-{i + 1:05d}-of-{len(parts):05d}.safetensors"
-        (out_dir / f"{part}.tmp").replace(out_dir / name)
+        (out_dir / f"part-{i}.tmp").replace(out_dir / name)
         weight_map.update(dict.fromkeys(keys, name))
     index = {"metadata": {"total_size": total}, "weight_map": weight_map}
     (out_dir / INDEX).write_text(json.dumps(index, indent=2) + "\n")

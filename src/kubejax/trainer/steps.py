@@ -137,12 +137,11 @@ def _data_parallel_gradients(graphdef, mesh, params, batch, key, budget: int, sp
         # would sum the gradients across devices by itself, tensor by tensor.
         params = jax.lax.pcast(params, axis, to="varying")
         loss, acc, grads = _gradients(graphdef, params, batch, key, budget)
+        if sparse_embedding is None:
+            return jax.lax.pmean((loss, acc, grads), axis)
         paths, treedef = jax.tree_util.tree_flatten_with_path(grads)
         names = [jax.tree_util.keystr(path).removesuffix(".value") for path, _ in paths]
         leaves = [leaf for _, leaf in paths]
-        if sparse_embedding is None:
-            loss, acc, grads = jax.lax.pmean((loss, acc, grads), axis)
-            return loss, acc, grads
         word = names.index(sparse_embedding)
         flat, unravel = jax.flatten_util.ravel_pytree(leaves[:word] + leaves[word + 1 :])
         # Every device's token ids; each device's gradient rows at all of them, summed: the
