@@ -27,6 +27,8 @@ def train(
     hyperparameters: dict = {},
     best_params: dict = {},
     replicas: int = 1,
+    mesh: str = "",
+    devices_per_worker: int = 0,
     image: str = "",
     backend: str = "auto",
     timeout_seconds: int = 86400,
@@ -52,6 +54,12 @@ def train(
         hyperparameters: Trainer settings (TrainConfig field → value), e.g. learning_rate.
         best_params: Settings that override `hyperparameters` (the sweep's best params).
         replicas: Number of JAXJob workers (processes).
+        mesh: Device mesh over every worker's devices, e.g. "fsdp=-1" (shards parameters and
+            optimizer state) or "data=2,fsdp=4,tensor=2"; empty: the trainer's `mesh`
+            setting (data-parallel by default). Checked against replicas × devices before
+            the job starts.
+        devices_per_worker: GPUs of each worker pod (its nvidia.com/gpu limit); 0: as the
+            task's resources say (one CPU device a worker without GPUs).
         image: Image of the worker pods; empty: the kubejax image of this version.
         backend: The engine: `trainjob` (Kubeflow Trainer v2), `jaxjob` (Training Operator
             v1), `kubernetes` (whichever the cluster serves, TrainJob first), `local`, or
@@ -83,6 +91,8 @@ def train(
         mlflow_experiment=mlflow_experiment,
         image=image,
         replicas=replicas,
+        mesh=mesh,
+        devices_per_worker=devices_per_worker,
         backend=backend,
         timeout=timeout_seconds,
         workspace=workspace_path,

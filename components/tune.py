@@ -30,6 +30,8 @@ def tune_sweep(
     pruner_min_steps: int = 1,
     seed: int = 0,
     replicas: int = 1,
+    mesh: str = "",
+    devices_per_worker: int = 0,
     image: str = "",
     backend: str = "auto",
     workspace_path: str = "",
@@ -52,7 +54,8 @@ def tune_sweep(
         base_model: HF hub id or folder to fine-tune.
         search_space: JSON object: name → {"type": "float"|"int"|"categorical", "low",
             "high", "log", "step", "choices", "when"}; names are trainer settings (optimizer,
-            learning_rate, global_batch_size, ...) or `replicas` (workers per trial); "when":
+            learning_rate, global_batch_size, ...), `replicas` (workers per trial) or
+            `devices_per_worker` (GPUs a trial worker); "when":
             {earlier name: value(s)} makes a dimension conditional (define-by-run).
         hyperparameters: Fixed trainer settings for every trial (e.g. max_steps, eval_every).
         objective: Eval metric to optimise (eval_accuracy or eval_loss).
@@ -68,6 +71,9 @@ def tune_sweep(
         pruner_min_steps: No pruning before this eval step.
         seed: Sampler seed.
         replicas: Workers per trial (unless the search space has `replicas`).
+        mesh: Device mesh of every trial (see the train component), e.g. "fsdp=-1".
+        devices_per_worker: GPUs of each trial worker (nvidia.com/gpu; unless the search
+            space has `devices_per_worker`); 0: as the task's resources say.
         image: Image of the trial pods; empty: the kubejax image of this version.
         backend: trainjob, jaxjob, kubernetes (the cluster's engine, TrainJob first), local,
             or auto (kubernetes inside a cluster, else local).

@@ -151,9 +151,11 @@ def yelp_pipeline(
     trial_hyperparameters: dict = DEFAULT_TRIAL_HP,
     trial_replicas: int = 1,
     trial_gpus_per_worker: int = 1,
+    trial_mesh: str = "",
     train_hyperparameters: dict = DEFAULT_TRAIN_HP,
     replicas: int = 2,
     gpus_per_worker: int = 1,
+    mesh: str = "",
     worker_node_selector: dict = ANY_NODE,
     worker_tolerations: list = NO_TOLERATIONS,
     image: str = IMAGE,
@@ -195,11 +197,14 @@ def yelp_pipeline(
         trial_hyperparameters: Fixed trainer settings of every trial.
         trial_replicas: Workers per trial (unless search_space has `replicas`).
         trial_gpus_per_worker: nvidia.com/gpu limit of each trial worker (0: CPU only).
+        trial_mesh: Device mesh of every trial (see mesh).
         train_hyperparameters: Trainer settings of the final training (the best params win).
         replicas: Workers of the final training (the sweep's best `replicas` wins when
             searched).
         gpus_per_worker: nvidia.com/gpu limit of each worker of the final training (0: CPU
             only).
+        mesh: Device mesh of the final training over replicas × gpus_per_worker devices,
+            e.g. "fsdp=-1" to shard parameters and optimizer state; empty: data-parallel.
         worker_node_selector: Node labels every training and trial worker pod requires, e.g.
             {"nvidia.com/gpu.present": "true"} for a GPU node pool.
         worker_tolerations: Tolerations of every training and trial worker pod, e.g.
@@ -241,6 +246,7 @@ def yelp_pipeline(
         pruner=pruner,
         seed=seed,
         replicas=trial_replicas,
+        mesh=trial_mesh,
         image=image,
         backend=backend,
         workspace_path=dsl.WORKSPACE_PATH_PLACEHOLDER,
@@ -261,6 +267,7 @@ def yelp_pipeline(
         hyperparameters=train_hyperparameters,
         best_params=sweep.outputs["best_params"],
         replicas=replicas,
+        mesh=mesh,
         gpus_per_worker=gpus_per_worker,
         worker_node_selector=worker_node_selector,
         worker_tolerations=worker_tolerations,
@@ -301,6 +308,7 @@ def train_eval_pipeline(
     train_hyperparameters: dict = DEFAULT_TRAIN_HP,
     replicas: int = 2,
     gpus_per_worker: int = 1,
+    mesh: str = "",
     worker_node_selector: dict = ANY_NODE,
     worker_tolerations: list = NO_TOLERATIONS,
     image: str = IMAGE,
@@ -328,6 +336,8 @@ def train_eval_pipeline(
         train_hyperparameters: Trainer settings.
         replicas: Workers of the training job.
         gpus_per_worker: nvidia.com/gpu limit of each worker (0: CPU only).
+        mesh: Device mesh over replicas × gpus_per_worker devices, e.g. "fsdp=-1" (see
+            kubejax-yelp); empty: data-parallel.
         worker_node_selector: Node labels every worker pod requires (see kubejax-yelp).
         worker_tolerations: Tolerations of every worker pod (see kubejax-yelp).
         image: The kubejax image.
@@ -356,6 +366,7 @@ def train_eval_pipeline(
         hyperparameters=train_hyperparameters,
         best_params={},
         replicas=replicas,
+        mesh=mesh,
         gpus_per_worker=gpus_per_worker,
         worker_node_selector=worker_node_selector,
         worker_tolerations=worker_tolerations,

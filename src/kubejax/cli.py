@@ -4,6 +4,7 @@ kubejax prepare --tokenizer MODEL --source FILE_OR_HUB_ID --output DIR
 kubejax render --engine {trainjob,jaxjob} [options] -- TRAINER_ARGS
 kubejax launch --engine {auto,local,trainjob,jaxjob} --replicas N [options] -- TRAINER_ARGS
 kubejax jaxjob render|run ...   (the same as render/launch with the JAXJob engine)
+kubejax plan --replicas N --devices-per-worker G [--device-memory 80GiB] -- TRAINER_ARGS
 kubejax tune --data-dir DIR --model MODEL --space JSON [options]
 kubejax evaluate --model-dir DIR --data-dir DIR
 kubejax compile [--output-dir compiled]
@@ -127,6 +128,50 @@ def _add_render_and_launch(sub) -> None:
     q.set_defaults(func=_jaxjob_run)
 
 
+def _add_plan(sub) -> None:
+    p = sub.add_parser(
+        "plan",
+        help="the memory a training needs on each device, before any job starts",
+        description="Print the memory plan (parameters, gradients, optimizer state, "
+        "activations per device) of the trainer flags after '--' on replicas × devices; exit "
+        "status 2 when it exceeds --device-memory (or the trainer's device_memory), naming the "
+        "smallest mesh / micro-batch that fits.",
+    )
+    p.add_argument("--replicas", type=int, default=1, help="workers (processes)")
+    p.add_argument("--devices-per-worker", type=int, default=1, help="devices (GPUs) a worker")
+    p.add_argument("--device-memory", default="", help="memory of one device, e.g. 80GiB")
+    p.set_defaults(func=_plan)
+
+
+def _trainer_config(args):
+    """The trainer flags after '--' as a validated TrainConfig (folders not looked at)."""
+    from kubejax.trainer.config import from_args
+
+    cfg = from_args(["--data-dir", "-", "--output-dir", "-", *args.trainer_args])
+    if getattr(args, "device_memory", ""):
+        cfg.device_memory = args.device_memory
+    return cfg.validate(check_paths=False)
+
+
+def _plan(args) -> int:
+    from kubejax.trainer import plan
+
+    cfg = _trainer_config(args)
+    checked, devices = plan.check_job(cfg, args.replicas, args.devices_per_worker)
+    if checked is None:  # no device memory given: the figures alone
+        checked = plan.plan_memory(cfg, plan.model_config(cfg), cfg.num_labels or 5, devices)
+    print(checked.describe())
+    return 0
+
+
+def _check_job(args) -> None:
+    """Refuse what cannot run before a manifest is printed or a job submitted: a mesh that
+    does not fit replicas × GPUs, a plan over the device's memory."""
+    from kubejax.trainer import plan
+
+    plan.check_job(_trainer_config(args), args.replicas, args.gpus)
+
+
 def _add_jaxjob(sub) -> None:
     p = sub.add_parser("jaxjob", help="render or run a trainer JAXJob (see render, launch)")
     jsub = p.add_subparsers(dest="jaxjob_command", required=True)
@@ -181,8 +226,10 @@ def _jaxjob_render(args) -> int:
     from kubejax.jobs.spec import build_manifest
     from kubejax.jobs.trainjob import build_trainjob_manifest
 
+    spec = _spec_from_args(args)
+    _check_job(args)
     build = build_trainjob_manifest if args.engine == "trainjob" else build_manifest
-    print(yaml.safe_dump(build(_spec_from_args(args)), sort_keys=False), end="")
+    print(yaml.safe_dump(build(spec), sort_keys=False), end="")
     return 0
 
 
@@ -191,6 +238,7 @@ def _jaxjob_run(args) -> int:
     from kubejax.jobs.launch import run_job
 
     spec = _spec_from_args(args)
+    _check_job(args)
     # `jaxjob run` takes --local; `launch` names its engine.
     engine = args.engine or ("local" if args.local else "jaxjob")
     local = engine == "local" or (engine == "auto" and not in_cluster())
@@ -453,6 +501,7 @@ def build_parser() -> argparse.ArgumentParser:
         _add_prepare,
         _add_render_and_launch,
         _add_jaxjob,
+        _add_plan,
         _add_tune,
         _add_evaluate,
         _add_compile,

@@ -4,6 +4,7 @@ server on 127.0.0.1."""
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -222,3 +223,35 @@ def test_fake_trainjob_retried_launcher_reattaches_and_timeout_deletes():
         with pytest.raises(TimeoutError):
             run_job(client, _spec(), timeout=1, polling_interval=0.1, log=None)
         assert fake.count("DELETE", "/trainjobs/train-1") == 1
+
+
+def test_devices_per_worker_reach_both_engines_and_the_mesh_is_checked_first():
+    """`devices_per_worker` is each pod's nvidia.com/gpu limit in the TrainJob
+    (resourcesPerNode) and the JAXJob (its worker container); a mesh the job's devices do not
+    make, or a memory plan over the node's GPU (its product label), is refused before any
+    manifest."""
+    from kubejax.jobs.spec import build_manifest
+    from kubejax.trainer.config import ConfigError
+
+    scratch = json.dumps(
+        {"model_type": "llama", "hidden_size": 64, "intermediate_size": 128,
+         "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2,
+         "vocab_size": 300}
+    )  # fmt: skip
+    hp = {"model": "scratch", "tokenizer": "-", "scratch_config": scratch, "mesh": "fsdp=-1"}
+    common = {"name": "t", "image": "img", "data_dir": "/d", "output_dir": "/o"}
+    spec = build_train_spec(**common, replicas=2, hyperparameters=hp, devices_per_worker=4)
+    assert build_trainjob_manifest(spec)["spec"]["trainer"]["resourcesPerNode"] == {
+        "limits": {"nvidia.com/gpu": 4}
+    }
+    worker = build_manifest(spec)["spec"]["jaxReplicaSpecs"]["Worker"]
+    container = worker["template"]["spec"]["containers"][0]
+    assert container["resources"]["limits"]["nvidia.com/gpu"] == 4
+    with pytest.raises(ConfigError, match=r"makes 4 devices, but the job has 6"):
+        build_train_spec(**common, replicas=3, devices_per_worker=2,
+                         hyperparameters={**hp, "mesh": "fsdp=4"})  # fmt: skip
+    small_gpu = SimpleNamespace(node_selector={"nvidia.com/gpu.product": "Tesla-T4"})
+    big = {**hp, "max_length": 4096, "global_batch_size": 4096}
+    with pytest.raises(ConfigError, match=r"more than the 14.90 GiB of the device"):
+        build_train_spec(**common, replicas=1, devices_per_worker=1, hyperparameters=big,
+                         task_config=small_gpu)  # fmt: skip

@@ -136,30 +136,38 @@ def test_trainer_resumes_on_another_mesh_and_exports(tiny_decoder_dir, prepared_
 
 @pytest.mark.slow
 @pytest.mark.parametrize("contract", ["jaxjob", "trainjob"])
-def test_two_processes_of_two_devices_give_one_process_losses(
-    contract, tiny_decoder_dir, prepared_decoder, tmp_path, monkeypatch
+def test_two_processes_give_one_process_losses(
+    contract, tiny_decoder_dir, prepared_decoder, tmp_path
 ):
-    """data=2 × fsdp=2 over 2 local workers of 2 CPU devices each (gloo between them), under
-    either engine's environment: the single process's losses; the model is gathered from the
-    shards the two processes hold."""
+    """2 local workers (gloo between them) under either engine's environment give the single
+    process's losses; the model is gathered from the shards the two processes hold.
+    jaxjob: data=2 × fsdp=2 over 2 devices a worker (a pod's 2 GPUs, emulated by the local
+    backend as 2 CPU devices). trainjob: resumes the checkpoint a 1-process fsdp=4 run saved
+    at step 1 on fsdp=2 over 2 processes of one device."""
     from safetensors.numpy import load_file
 
     from kubejax.jobs.client import JAXJobClient
     from kubejax.jobs.launch import run_job
-    from kubejax.jobs.spec import JAXJobSpec
+    from kubejax.jobs.spec import JAXJobSpec, resources
     from tests.helpers import trainer_cmd
 
     flags = {"max_steps": 3, "max_eval_examples": 32, "global_batch_size": 8}
     one, two = tmp_path / "one", tmp_path / "two"
     _trainer(tiny_args(tiny_decoder_dir, prepared_decoder, one, **flags), devices=1)
-    monkeypatch.setenv("JAX_NUM_CPU_DEVICES", "2")
-    args = tiny_args(tiny_decoder_dir, prepared_decoder, two, mesh="data=2,fsdp=2", **flags)
+    if contract == "jaxjob":
+        mesh, gpus = "data=2,fsdp=2", 2
+    else:
+        mesh, gpus = "fsdp=2", 0
+        saved = {**flags, "max_steps": 1, "mesh": "fsdp=4"}
+        _trainer(tiny_args(tiny_decoder_dir, prepared_decoder, two, **saved), devices=4)
+    args = tiny_args(tiny_decoder_dir, prepared_decoder, two, mesh=mesh, **flags)
     client = JAXJobClient("local", log_root=tmp_path / "logs", env_contract=contract)
     job = JAXJobSpec(name=f"fsdp-{contract}", image="local", command=trainer_cmd()[:3],
-                     args=args, replicas=2)  # fmt: skip
+                     args=args, replicas=2, resources=resources(gpus=gpus))  # fmt: skip
     run_job(client, job, timeout=300, polling_interval=0.2, log=None)
     metrics = {run: json.loads((run / "metrics.json").read_text()) for run in (one, two)}
     assert metrics[two]["final"]["num_processes"] == 2
+    assert metrics[two]["final"]["num_devices"] == 2 * max(gpus, 1)
     np.testing.assert_allclose(
         [r["loss"] for r in metrics[two]["train"]],
         [r["loss"] for r in metrics[one]["train"]],

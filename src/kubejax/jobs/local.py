@@ -211,6 +211,10 @@ class _LocalJob:
             # valueFrom (secrets, field refs) has no local meaning: the local environment
             # provides such variables itself.
         env["PYTHONUNBUFFERED"] = "1"
+        gpus = (self.spec.resources or {}).get("limits", {}).get("nvidia.com/gpu")
+        if gpus and jax_cpu_devices_unset(env):
+            # A pod's GPUs, here: as many CPU devices in the worker (the same mesh and shards).
+            env["JAX_NUM_CPU_DEVICES"] = str(gpus)
         if self.env_contract == "trainjob":
             env.update(
                 JAX_COORDINATOR_ADDRESS=f"127.0.0.1:{port}",
@@ -448,3 +452,9 @@ class LocalBackend(Backend):
             job.deleted.set()
             job.thread.join()
             job.stop_all()
+
+
+def jax_cpu_devices_unset(env: dict[str, str]) -> bool:
+    """Whether the environment leaves JAX's CPU device count alone (neither the variable nor
+    XLA's flag set)."""
+    return "JAX_NUM_CPU_DEVICES" not in env and "device_count" not in env.get("XLA_FLAGS", "")

@@ -23,6 +23,7 @@ from kubejax.jobs.spec import JAXJobSpec
 from kubejax.trainer.config import ConfigError, TrainConfig, parser
 
 TRAINER_COMMAND = ["python", "-m", "kubejax.trainer"]
+GPU = "nvidia.com/gpu"
 #: Settings the launcher fills in itself.
 RESERVED = ("data_dir", "output_dir")
 
@@ -32,7 +33,7 @@ def trainer_args(params: dict[str, Any]) -> list[str]:
     return to_flags(TrainConfig, params, where="hyperparameters", reserved=RESERVED)
 
 
-def check_hyperparameters(params: dict[str, Any]) -> None:
+def check_hyperparameters(params: dict[str, Any]) -> TrainConfig:
     """Validate trainer settings before any job is submitted: a typo such as
     schedule="cosin" fails here, in the launcher, instead of in every pod."""
     flags = parser()
@@ -41,7 +42,7 @@ def check_hyperparameters(params: dict[str, Any]) -> None:
         values = flags.parse_args(trainer_args({"data_dir": "-", "output_dir": "-", **params}))
     except argparse.ArgumentError as err:
         raise ConfigError(f"hyperparameters: {err}") from err
-    TrainConfig(**vars(values)).validate(check_paths=False)
+    return TrainConfig(**vars(values)).validate(check_paths=False)
 
 
 def with_mlflow_tags(hyperparameters: dict, tags: dict[str, str]) -> dict:
@@ -82,11 +83,17 @@ def build_train_spec(
     labels: dict[str, str] | None = None,
     annotations: dict[str, str] | None = None,
     extra_env: dict[str, str] | None = None,
+    devices_per_worker: int = 0,
 ) -> JAXJobSpec:
-    """The job that trains with `hyperparameters` on `data_dir` into `output_dir`."""
+    """The job that trains with `hyperparameters` on `data_dir` into `output_dir`, each of its
+    `replicas` pods with `devices_per_worker` GPUs (the `nvidia.com/gpu` limit; 0: as the
+    task's resources say). Refused before submission when its mesh does not fit the devices or
+    its memory plan the device (`kubejax.trainer.plan.check_job`)."""
     params = {**hyperparameters, "data_dir": data_dir, "output_dir": output_dir}
-    check_hyperparameters(params)
+    cfg = check_hyperparameters(params)
     pod = task_config_fields(task_config)
+    pod["resources"] = pod_resources(pod, devices_per_worker)
+    check_job(cfg, replicas, pod)
     env = list(pod.pop("env", []) or [])
     env += [{"name": k, "value": str(v)} for k, v in (extra_env or {}).items()]
     return JAXJobSpec(
@@ -103,6 +110,26 @@ def build_train_spec(
         annotations=annotations or {},
         **pod,
     )
+
+
+def pod_resources(pod: dict, devices_per_worker: int) -> dict:
+    """The pods' resources (`task_config_fields`) with `devices_per_worker` GPUs as their
+    `nvidia.com/gpu` limit (0: as they are)."""
+    if devices_per_worker < 0:
+        raise ConfigError(f"devices_per_worker: must be 0 or more, got {devices_per_worker}")
+    resources = dict(pod.get("resources") or {})
+    if devices_per_worker:
+        resources["limits"] = {**resources.get("limits", {}), GPU: devices_per_worker}
+    return resources
+
+
+def check_job(cfg: TrainConfig, replicas: int, pod: dict) -> None:
+    """The mesh against the job's devices (replicas × the pods' GPUs, one device a CPU pod),
+    the memory plan against the device's memory (`kubejax.trainer.plan.check_job`)."""
+    from kubejax.trainer import plan  # JAX, for the mesh and the shapes: only when checking
+
+    gpus = int((pod.get("resources") or {}).get("limits", {}).get(GPU, 0))
+    plan.check_job(cfg, replicas, gpus, pod.get("node_selector"))
 
 
 def kfp_labels(run_id: str, task: str) -> tuple[dict, dict]:

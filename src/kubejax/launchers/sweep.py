@@ -17,8 +17,11 @@ from kubejax.jobs.spec import JAXJobSpec, job_name
 from kubejax.launchers.common import (
     build_train_spec,
     check_hyperparameters,
+    check_job,
     log_to_stdout,
+    pod_resources,
     stage_dataset,
+    task_config_fields,
     task_root,
     with_mlflow_tags,
     worker_env,
@@ -45,9 +48,10 @@ def trainer_trial_spec(
     task_config=None,
     trial_timeout: float = 3600.0,
     extra_env: dict[str, str] | None = None,
+    devices_per_worker: int = 0,
 ) -> TrialSpecFactory:
     """Trial jobs that train with the fixed `hyperparameters` plus the trial's params; a
-    `replicas` param sets the trial's worker count instead of `replicas`."""
+    `replicas` or `devices_per_worker` param sets the trial's resources instead."""
 
     def make(number: int, params: dict, output_dir: str, name: str) -> JAXJobSpec:
         settings = {k: v for k, v in params.items() if k not in RESOURCE_PARAMS}
@@ -75,6 +79,7 @@ def trainer_trial_spec(
             active_deadline_seconds=int(trial_timeout),
             labels={"kubejax.dev/sweep": "true"},
             extra_env=extra_env,
+            devices_per_worker=int(params.get("devices_per_worker", devices_per_worker)),
         )
 
     return make
@@ -88,6 +93,7 @@ def sweep_with_jaxjobs(
     hyperparameters: dict,
     image: str = IMAGE,
     replicas: int = 1,
+    devices_per_worker: int = 0,
     backend: str = "auto",
     task_config=None,
     mlflow_tracking_uri: str = "",
@@ -99,8 +105,12 @@ def sweep_with_jaxjobs(
     """A sweep whose trials train the kubejax trainer; an MLflow parent run with one nested
     run per trial. Returns the result and the parent run id ('' without tracking)."""
     # The fixed settings, and each dimension at its lower end, before anything is created.
-    point = {k: v for k, v in lowest_point(cfg.space).items() if k not in RESOURCE_PARAMS}
-    check_hyperparameters({**hyperparameters, **point})
+    lowest = lowest_point(cfg.space)
+    point = {k: v for k, v in lowest.items() if k not in RESOURCE_PARAMS}
+    checked = check_hyperparameters({**hyperparameters, **point})
+    pod = task_config_fields(task_config)
+    pod["resources"] = pod_resources(pod, int(lowest.get("devices_per_worker", devices_per_worker)))
+    check_job(checked, int(lowest.get("replicas", replicas)), pod)
     if cfg.max_workers and "replicas" not in cfg.space and replicas > cfg.max_workers:
         raise SweepError(
             f"max_workers: {cfg.max_workers} is below the {replicas} workers of every trial"
@@ -123,6 +133,7 @@ def sweep_with_jaxjobs(
         task_config=task_config,
         trial_timeout=cfg.trial_timeout,
         extra_env=worker_env(workspace, tracker.tracking_uri or ""),
+        devices_per_worker=devices_per_worker,
     )
     status = "FAILED"
     try:
@@ -194,6 +205,8 @@ def sweep_task(
     pruner_min_steps: int = 1,
     seed: int = 0,
     replicas: int = 1,
+    mesh: str = "",
+    devices_per_worker: int = 0,
     image: str = "",
     backend: str = "auto",
     workspace_path: str = "",
@@ -232,9 +245,14 @@ def sweep_task(
         cfg,
         data_dir=str(stage_dataset(dataset_path, workspace_path, root)),
         trials_root=str(root / "trials"),
-        hyperparameters={**(hyperparameters or {}), "model": base_model},
+        hyperparameters={
+            **(hyperparameters or {}),
+            **({"mesh": mesh} if mesh else {}),
+            "model": base_model,
+        },
         image=image or IMAGE,
         replicas=replicas,
+        devices_per_worker=devices_per_worker,
         backend=backend,
         task_config=task_config,
         mlflow_tracking_uri=mlflow_tracking_uri,

@@ -52,6 +52,7 @@ def train_with_jaxjob(
     model_path: str,
     hyperparameters: dict[str, Any],
     replicas: int = 1,
+    devices_per_worker: int = 0,
     image: str = IMAGE,
     backend: str = "auto",
     timeout: float = 24 * 3600,
@@ -98,6 +99,7 @@ def train_with_jaxjob(
         labels=labels,
         annotations=annotations,
         extra_env=worker_env(workspace, tracking.resolve_uri(mlflow_tracking_uri)),
+        devices_per_worker=devices_per_worker,
     )
     log(f"kubejax: launching {client.kind} {name} ({replicas} worker(s), {client.engine} engine)")
     run_job(client, spec, timeout=timeout + 60, delete=delete, log=log)
@@ -126,15 +128,18 @@ def train_task(
     best_params: dict[str, Any] | None = None,
     mlflow_experiment: str = "kubejax",
     image: str = "",
+    mesh: str = "",
     **launch,
 ) -> TrainOutcome:
     """Train `base_model` with `hyperparameters` overridden by `best_params` (a sweep's, whose
     `replicas` sets the worker count), as a job (`launch`: the keywords of
     `train_with_jaxjob`); the figures and report of the run."""
     best = dict(best_params or {})
-    if "replicas" in best:
-        launch["replicas"] = int(best.pop("replicas"))
-    hp = {**(hyperparameters or {}), **best, "model": base_model}
+    for resource in ("replicas", "devices_per_worker"):
+        if resource in best:
+            launch[resource] = int(best.pop(resource))
+    hp = {**(hyperparameters or {}), **({"mesh": mesh} if mesh else {}), **best}
+    hp["model"] = base_model
     hp.setdefault("mlflow_experiment", mlflow_experiment)
     result = train_with_jaxjob(
         dataset_path=dataset_path,

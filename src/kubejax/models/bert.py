@@ -20,6 +20,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from kubejax.models.kernels import dense, matmul, operand
+from kubejax.models.partitioning import constrain
 
 #: The hidden activations `_activation` computes (BertConfig's `hidden_act`).
 ACTIVATIONS = ("gelu", "gelu_new", "gelu_pytorch_tanh", "relu")
@@ -414,6 +415,7 @@ class BertEncoder(nnx.Module):
             cls_queries = starts
         last = len(self.layers) - 1
         for i, layer in enumerate(self.layers):
+            x = constrain(x, "batch", None, None)
             if cls_only and i == last:
                 x = layer(x, cls_bias, queries=cls_queries, deterministic=deterministic, rngs=rngs)
             else:

@@ -30,6 +30,7 @@ from flax import nnx
 from jax.ad_checkpoint import checkpoint_name
 
 from kubejax.models.kernels import linear, product
+from kubejax.models.partitioning import constrain
 
 #: config.json `model_type`s this module runs, and the HF class names written on export.
 FAMILIES = {
@@ -335,9 +336,12 @@ class Attention(nnx.Module):
             if queries is None
             else jnp.take_along_axis(tokens.positions, queries, axis=1)
         )
-        q = self.q_proj(q_in).reshape(b, q_in.shape[1], self.heads, self.head_dim)
-        k = self.k_proj(x).reshape(b, n, self.kv_heads, self.head_dim)
-        v = self.v_proj(x).reshape(b, n, self.kv_heads, self.head_dim)
+        heads = ("batch", None, "heads", None)
+        q = constrain(
+            self.q_proj(q_in).reshape(b, q_in.shape[1], self.heads, self.head_dim), *heads
+        )
+        k = constrain(self.k_proj(x).reshape(b, n, self.kv_heads, self.head_dim), *heads)
+        v = constrain(self.v_proj(x).reshape(b, n, self.kv_heads, self.head_dim), *heads)
         if self.q_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
         q = rotate(q, q_pos, self.inv_freq) * jnp.asarray(self.scale, q.dtype)
@@ -348,7 +352,10 @@ class Attention(nnx.Module):
         scores = jnp.where(tokens.mask(queries, self.window), scores, jnp.finfo(jnp.float32).min)
         probs = jax.nn.softmax(scores, axis=-1).astype(v.dtype)
         ctx = jnp.einsum("bkgqs,bskd->bqkgd", probs, v, preferred_element_type=jnp.float32)
-        return self.o_proj(ctx.reshape(b, q.shape[1], self.heads * self.head_dim))
+        ctx = constrain(
+            ctx.reshape(b, q.shape[1], self.heads * self.head_dim), "batch", None, "heads"
+        )
+        return self.o_proj(ctx)
 
 
 class MLP(nnx.Module):
@@ -362,8 +369,9 @@ class MLP(nnx.Module):
         self.act = ACTIVATIONS[cfg.hidden_act]
 
     def __call__(self, x: jax.Array) -> jax.Array:
-        gate = self.act(self.gate_proj(x).astype(jnp.float32)).astype(x.dtype)
-        return self.down_proj(gate * self.up_proj(x))
+        mlp = ("batch", None, "mlp")
+        gate = self.act(constrain(self.gate_proj(x), *mlp).astype(jnp.float32)).astype(x.dtype)
+        return self.down_proj(gate * constrain(self.up_proj(x), *mlp))
 
 
 class DecoderLayer(nnx.Module):
@@ -426,11 +434,12 @@ class DecoderModel(nnx.Module):
         policy = REMAT_POLICIES[self.remat]
         for i, layer in enumerate(self.layers):
             queries = last_queries if i == last else None
+            x = constrain(x, "batch", None, None)
             if self.remat == "none":
                 x = layer(x, tokens, queries)
             else:
                 x = _checkpointed(layer, policy)(x, tokens, queries)
-        return self.norm(x)
+        return self.norm(constrain(x, "batch", None, None))
 
 
 def _checkpointed(layer: DecoderLayer, policy):

@@ -95,6 +95,17 @@ def load_config(model_dir: Path):
         raise ValueError(f"{config_file}: {err}") from err
 
 
+def scratch_config(text: str):
+    """The config of model='scratch' from its JSON fields: a BertConfig's, or a decoder's when
+    they name its model_type."""
+    values = json.loads(text or "{}")
+    if values.get("model_type", "bert") == "bert":
+        return BertConfig.from_dict(values, strict=True)
+    from kubejax.models.decoder import DecoderConfig
+
+    return DecoderConfig.from_dict(values)
+
+
 def is_decoder(cfg) -> bool:
     """Whether a config (from `load_config`) is one of the decoder families'."""
     return not isinstance(cfg, BertConfig)

@@ -6,6 +6,7 @@ import argparse
 import dataclasses
 import json
 import math
+import re
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -85,6 +86,13 @@ class TrainConfig:
         "largest micro-batch per device; 0 = no limit. When the global batch needs more, "
         "grad_accum_steps rises to the smallest count that fits",
     )
+    device_memory: str = _f(
+        "",
+        "memory of one device, e.g. 80GiB or 24GB: a run whose memory plan (kubejax plan) "
+        "needs more is refused before it starts, naming the smallest mesh / micro-batch that "
+        "fits; empty: the GPU's own (its node's nvidia.com/gpu.product, or what JAX reports), "
+        "no check on CPU",
+    )
     optimizer: str = _f("adamw", "adamw, adafactor, lion or sgd (optax)")
     learning_rate: float = _f(5e-5, "peak learning rate")
     b1: float | None = _f(None, "first-moment decay of adamw/lion; default: optax's (0.9, 0.9)")
@@ -161,14 +169,7 @@ class TrainConfig:
             raise ConfigError("output_dir: required")
         if self.task and self.task not in TASKS:
             raise ConfigError(f"task: {self.task!r} is not one of {', '.join(TASKS)}")
-        if self.dtype not in DTYPES:
-            raise ConfigError(f"dtype: {self.dtype!r} is not one of {', '.join(DTYPES)}")
-        if self.param_dtype not in DTYPES:
-            raise ConfigError(
-                f"param_dtype: {self.param_dtype!r} is not one of {', '.join(DTYPES)}"
-            )
-        if self.remat not in REMATS:
-            raise ConfigError(f"remat: {self.remat!r} is not one of {', '.join(REMATS)}")
+        self._validate_memory()
         self._validate_optimizer()
         if self.schedule not in SCHEDULES:
             raise ConfigError(f"schedule: {self.schedule!r} is not one of {', '.join(SCHEDULES)}")
@@ -214,6 +215,18 @@ class TrainConfig:
             if not isinstance(tags, dict):
                 raise ConfigError("mlflow_tags: must be a JSON object")
         return self
+
+    def _validate_memory(self) -> None:
+        if self.dtype not in DTYPES:
+            raise ConfigError(f"dtype: {self.dtype!r} is not one of {', '.join(DTYPES)}")
+        if self.param_dtype not in DTYPES:
+            raise ConfigError(
+                f"param_dtype: {self.param_dtype!r} is not one of {', '.join(DTYPES)}"
+            )
+        if self.remat not in REMATS:
+            raise ConfigError(f"remat: {self.remat!r} is not one of {', '.join(REMATS)}")
+        if self.device_memory:
+            parse_bytes(self.device_memory)
 
     def _validate_optimizer(self) -> None:
         if self.optimizer not in OPTIMIZERS:
@@ -279,6 +292,18 @@ class TrainConfig:
 
     def to_dict(self) -> dict:
         return dataclasses.asdict(self)
+
+
+_UNITS = {"": 1, "B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12,
+          "KIB": 2**10, "MIB": 2**20, "GIB": 2**30, "TIB": 2**40}  # fmt: skip
+
+
+def parse_bytes(text: str) -> int:
+    """`80GiB`, `24GB`, `512MiB` or a plain number of bytes (the `device_memory` setting)."""
+    m = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([KMGT]I?B|B)?\s*", text.upper())
+    if not m:
+        raise ConfigError(f"device_memory: {text!r} is not a size such as 80GiB, 24GB or 512MiB")
+    return int(float(m[1]) * _UNITS[m[2] or ""])
 
 
 def parser(prog: str = "python -m kubejax.trainer") -> argparse.ArgumentParser:

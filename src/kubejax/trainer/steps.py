@@ -3,7 +3,7 @@ evaluation step. Training, evaluation and the served model all use these."""
 
 from __future__ import annotations
 
-from functools import partial
+from functools import partial, wraps
 
 import jax
 import jax.flatten_util
@@ -82,6 +82,7 @@ def make_train_step(
     params_sh, opt_sh = shardings if shardings is not None else (rep, rep)
 
     @partial(jax.jit, donate_argnums=(0, 1), out_shardings=(params_sh, opt_sh, rep))
+    @on_mesh(mesh if shardings is not None else None)
     def train_step(params, opt_state, batch, step, learning_rate):
         key = jax.random.fold_in(base_key, step)
         # Dropout masks are a deterministic function of seed, step and (data-parallel) device.
@@ -103,6 +104,24 @@ def make_train_step(
         return params, opt_state, metrics
 
     return train_step
+
+
+def on_mesh(mesh):
+    """Trace the decorated function with `mesh` as the abstract mesh in context, where the
+    models pin their activations (`kubejax.models.partitioning.constrain`); None: as is."""
+
+    def wrap(fn):
+        if mesh is None:
+            return fn
+
+        @wraps(fn)
+        def traced(*args):
+            with jax.sharding.use_abstract_mesh(mesh.abstract_mesh):
+                return fn(*args)
+
+        return traced
+
+    return wrap
 
 
 def _update(tx, params, grads, opt_state):
@@ -196,6 +215,7 @@ def make_eval_step(graphdef, mesh):
     # and the softmax around the attention products as well: asking for the products alone
     # measured 1 % slower in float32 and 7 % in bfloat16 (bench/NOTES.md, attempt 42).
     @partial(jax.jit, out_shardings=(rep, distributed.batch_sharding(mesh)))
+    @on_mesh(mesh if mesh.axis_names != (distributed.DATA_AXIS,) else None)
     def eval_step(params, batch):
         model = nnx.merge(graphdef, params)
         devices = mesh.size // mesh.shape.get("tensor", 1)  # those the batch is split over

@@ -33,9 +33,9 @@ from kubejax import monitoring, report, tracking
 from kubejax.data import dataset
 from kubejax.errors import KubejaxError
 from kubejax.models import weights
-from kubejax.models.bert import BertClassifier, BertConfig
+from kubejax.models.bert import BertClassifier
 from kubejax.models.kernels import matrices_in
-from kubejax.trainer import distributed, sharding
+from kubejax.trainer import distributed, plan, sharding
 from kubejax.trainer.checkpoint import Checkpointer
 from kubejax.trainer.compile_cache import use_user_dir
 from kubejax.trainer.config import ConfigError, TrainConfig
@@ -84,7 +84,7 @@ def classifier_for(
     model_dir = None
     try:
         if cfg.model == "scratch":
-            model_cfg = _scratch_config(cfg.scratch_config)
+            model_cfg = weights.scratch_config(cfg.scratch_config)
         else:
             model_dir = weights.resolve_model_dir(cfg.model)
             model_cfg = weights.load_config(model_dir)
@@ -98,6 +98,9 @@ def classifier_for(
             sharding.check_model(model_cfg, mesh_sizes)
     except ValueError as err:
         raise ConfigError(str(err)) from err
+    memory = plan.device_memory_of(cfg) if mesh_sizes else None
+    if memory:  # before any weight is read
+        plan.check_fits(cfg, model_cfg, num_labels, math.prod(mesh_sizes.values()), memory)
     _apply_dropout(cfg, model_cfg)
     if cfg.remat != "none" and not weights.is_decoder(model_cfg):
         raise ConfigError(f"remat: {cfg.remat!r} applies to decoder models; BERT trains without")
@@ -121,16 +124,6 @@ def classifier_for(
     if tokenizer_dir is not None and not tokenizer_dir.is_dir():
         tokenizer_dir = weights.resolve_model_dir(str(tokenizer_dir))
     return model, tokenizer_dir, fresh
-
-
-def _scratch_config(text: str):
-    """The config of model='scratch': a decoder's when the JSON names its model_type."""
-    values = json.loads(text or "{}")
-    if values.get("model_type", "bert") == "bert":
-        return BertConfig.from_dict(values, strict=True)
-    from kubejax.models.decoder import DecoderConfig
-
-    return DecoderConfig.from_dict(values)
 
 
 def _apply_dropout(cfg: TrainConfig, model_cfg) -> None:
@@ -582,6 +575,7 @@ class Progress:
             "steps": step,
             "wall_s": wall_s,
             "num_processes": jax.process_count(),
+            "num_devices": jax.device_count(),
         }
 
     def log_final(self, final: dict) -> None:

@@ -20,7 +20,7 @@ class SweepError(KubejaxError, RuntimeError):
 
 
 #: Search dimensions that are not trainer settings: the trial job's worker count.
-RESOURCE_PARAMS = ("replicas",)
+RESOURCE_PARAMS = ("replicas", "devices_per_worker")
 _KEYS = {
     "float": {"type", "low", "high", "log", "step", "when"},
     "int": {"type", "low", "high", "log", "step", "when"},
@@ -47,8 +47,10 @@ def parse_space(space: str | dict) -> dict[str, dict]:
     out: dict[str, dict] = {}
     for name, entry in space.items():
         out[name] = _parse_entry(f"search_space.{name}", entry, out)
-    if "replicas" in out:
-        _check_replicas(out["replicas"])
+    for name, least, meaning in (("replicas", 1, "workers per trial"),
+                                 ("devices_per_worker", 0, "GPUs per worker")):  # fmt: skip
+        if name in out:
+            _check_count(name, out[name], least, meaning)
     return out
 
 
@@ -106,13 +108,13 @@ def _check_when(where: str, when, earlier: dict[str, dict]) -> None:
                 raise SweepError(f"{where}.when.{name}: {value!r} is not one of {choices}")
 
 
-def _check_replicas(entry: dict) -> None:
+def _check_count(name: str, entry: dict, least: int, meaning: str) -> None:
     values = entry.get("choices") or [entry.get("low")]
     if entry["type"] == "float" or not all(
-        isinstance(v, int) and not isinstance(v, bool) and v >= 1 for v in values
+        isinstance(v, int) and not isinstance(v, bool) and v >= least for v in values
     ):
         raise SweepError(
-            "search_space.replicas: workers per trial must be positive integers "
+            f"search_space.{name}: {meaning} must be integers of at least {least} "
             "(an int range or integer choices)"
         )
 

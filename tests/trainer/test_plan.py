@@ -1,0 +1,126 @@
+"""The memory plan: its figures against XLA's compiled memory analysis, the refusal of what
+does not fit (naming each figure and the smallest setting that fits), before any job."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import yaml
+
+from kubejax.cli import main
+from kubejax.trainer import plan
+from kubejax.trainer.config import ConfigError, TrainConfig
+
+SMALL = json.dumps(
+    {"model_type": "qwen2", "hidden_size": 256, "intermediate_size": 512, "num_hidden_layers": 4,
+     "num_attention_heads": 4, "num_key_value_heads": 2, "vocab_size": 2000}
+)  # fmt: skip
+DEEPER = json.dumps({**json.loads(SMALL), "num_hidden_layers": 8})
+
+
+def test_the_plan_is_within_a_quarter_of_what_xla_allocates():
+    """Replicated, FSDP, FSDP × tensor and data × FSDP in bfloat16, on 4 CPU devices: the plan
+    per device within 25 % of the compiled step's arguments plus temporaries."""
+    cases = {
+        "replicated": {"scratch_config": DEEPER, "global_batch_size": 8, "max_length": 128},
+        "fsdp": {"scratch_config": DEEPER, "mesh": "fsdp=4", "global_batch_size": 16,
+                 "max_length": 128},
+        "fsdp-tensor": {"scratch_config": SMALL, "mesh": "fsdp=2,tensor=2",
+                        "global_batch_size": 8, "max_length": 128},
+        "bfloat16": {"scratch_config": SMALL, "mesh": "data=2,fsdp=2", "global_batch_size": 8,
+                     "max_length": 256, "dtype": "bfloat16", "param_dtype": "bfloat16"},
+    }  # fmt: skip
+    script = Path(__file__).with_name("plan_vs_xla.py")
+    proc = subprocess.run(
+        [sys.executable, str(script), json.dumps(cases)],
+        capture_output=True, text=True, timeout=600, env={**os.environ, "PYTHONPATH": os.getcwd()},
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    figures = json.loads(proc.stdout.strip().splitlines()[-1])
+    for name, (planned, compiled) in figures.items():
+        assert 0.75 <= planned / compiled <= 1.25, (name, planned, compiled)
+
+
+def _cfg(**settings) -> TrainConfig:
+    return TrainConfig(model="scratch", scratch_config=DEEPER, tokenizer="-", data_dir="-",
+                       output_dir="-", **settings)  # fmt: skip
+
+
+def test_fsdp_divides_the_state_and_bfloat16_halves_the_weights():
+    model_cfg = plan.model_config(_cfg())
+    one = plan.plan_memory(_cfg(), model_cfg, 5, 4)
+    fsdp = plan.plan_memory(_cfg(mesh="fsdp=4"), model_cfg, 5, 4)
+    half = plan.plan_memory(_cfg(param_dtype="bfloat16"), model_cfg, 5, 4)
+    # Every matrix has a hidden axis 4 divides; the norms (a few kB) stay whole.
+    assert 0.25 <= fsdp.params / one.params < 0.26
+    assert 0.25 <= fsdp.optimizer / one.optimizer < 0.26
+    assert 0.5 <= half.params / one.params < 0.51
+    assert half.optimizer == one.optimizer  # moments stay float32
+    assert fsdp.micro_batch == one.micro_batch == 8  # 32 rows over 4 devices
+
+
+def test_a_run_that_does_not_fit_is_refused_naming_each_figure_and_what_fits():
+    cfg = _cfg(global_batch_size=32, max_length=512)
+    model_cfg = plan.model_config(cfg)
+    with pytest.raises(ConfigError) as err:
+        plan.check_fits(cfg, model_cfg, 5, 4, plan.parse_bytes("300MiB"))
+    message = str(err.value)
+    assert message.startswith("device_memory: the run needs")
+    for figure in ("parameters", "gradients", "optimizer", "activations", "total"):
+        assert figure in message
+    mesh, accum = message.split("fits with mesh=")[1].split(" and grad_accum_steps=")
+    fit = plan.plan_memory(
+        _cfg(global_batch_size=32, max_length=512, mesh=mesh, grad_accum_steps=int(accum[:2])),
+        model_cfg, 5, 4, plan.parse_bytes("300MiB"),
+    )  # fmt: skip
+    assert fit.fits
+    with pytest.raises(ConfigError, match="no mesh of 4 devices fits"):
+        plan.check_fits(cfg, model_cfg, 5, 4, plan.parse_bytes("10MiB"))
+
+
+def test_device_memory_from_the_setting_or_the_gpu_product():
+    assert plan.parse_bytes("80GiB") == 80 * 2**30
+    assert plan.parse_bytes("24GB") == 24 * 10**9
+    assert plan.gpu_memory("NVIDIA-H100-80GB-HBM3") == 80 * 10**9
+    assert plan.gpu_memory("NVIDIA-L4") == 24 * 10**9
+    assert plan.gpu_memory("Some-New-Card") is None
+    selector = {"nvidia.com/gpu.product": "NVIDIA-A100-SXM4-40GB"}
+    assert plan.device_memory_of(_cfg(), selector) == 40 * 10**9
+    assert plan.device_memory_of(_cfg(device_memory="16GiB"), selector) == 16 * 2**30
+    with pytest.raises(ConfigError, match="device_memory: 'lots' is not a size"):
+        _cfg(device_memory="lots").validate(check_paths=False)
+
+
+def test_plan_cli_prints_the_figures_and_refuses_what_does_not_fit(capsys):
+    args = ["--", "--model", "scratch", "--tokenizer", "-", "--scratch-config", DEEPER,
+            "--mesh", "fsdp=-1", "--max-length", "512"]  # fmt: skip
+    assert main(["plan", "--replicas", "2", "--devices-per-worker", "2", *args]) == 0
+    out = capsys.readouterr().out
+    assert "mesh data=1,fsdp=4,tensor=1" in out and "activations" in out
+    assert main(["plan", "--replicas", "2", "--device-memory", "400MiB", *args]) == 2
+    err = capsys.readouterr().err
+    assert "device_memory: the run needs" in err and "fits with mesh=" in err
+
+
+def test_render_refuses_a_mesh_the_workers_do_not_make(capsys):
+    """Before any manifest: the mesh against replicas × GPUs, the tensor axis against heads."""
+    trainer = ["--", "--model", "scratch", "--tokenizer", "-", "--scratch-config", SMALL]
+    assert main(["render", "--replicas", "3", *trainer, "--mesh", "fsdp=2"]) == 2
+    assert "makes 2 devices, but the job has 3" in capsys.readouterr().err
+    assert main(["render", "--replicas", "2", *trainer, "--mesh", "tensor=8"]) == 2
+    err = capsys.readouterr().err
+    assert "makes 8 devices, but the job has 2" in err and "devices_per_worker 1" in err
+    argv = ["render", "--replicas", "2", "--gpus", "4", *trainer, "--mesh", "fsdp=4,tensor=2"]
+    assert main(argv) == 0  # 2 workers of 4 GPUs: 8 devices; 4 heads and 2 KV heads split in 2
+    trainer_spec = yaml.safe_load(capsys.readouterr().out)["spec"]["trainer"]
+    assert trainer_spec["numNodes"] == 2
+    assert trainer_spec["resourcesPerNode"]["limits"]["nvidia.com/gpu"] == 4
+    assert main(["render", "--replicas", "1", "--gpus", "8", *trainer, "--mesh", "tensor=8"]) == 2
+    assert "tensor=8 does not divide the model's num_attention_heads (4)" in (
+        capsys.readouterr().err
+    )
