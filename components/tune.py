@@ -32,6 +32,10 @@ def tune_sweep(
     replicas: int = 1,
     mesh: str = "",
     devices_per_worker: int = 0,
+    peft: str = "",
+    lora_rank: int = 0,
+    lora_alpha: float = 0.0,
+    lora_targets: str = "",
     image: str = "",
     backend: str = "auto",
     workspace_path: str = "",
@@ -74,6 +78,10 @@ def tune_sweep(
         mesh: Device mesh of every trial (see the train component), e.g. "fsdp=-1".
         devices_per_worker: GPUs of each trial worker (nvidia.com/gpu; unless the search
             space has `devices_per_worker`); 0: as the task's resources say.
+        peft: Every trial's none or lora (see the train component); empty: hyperparameters'.
+        lora_rank: LoRA's rank of every trial unless searched (0: hyperparameters' or 16).
+        lora_alpha: LoRA's alpha unless searched (0: 32).
+        lora_targets: LoRA's projections unless searched (empty: attention).
         image: Image of the trial pods; empty: the kubejax image of this version.
         backend: trainjob, jaxjob, kubernetes (the cluster's engine, TrainJob first), local,
             or auto (kubernetes inside a cluster, else local).

@@ -86,6 +86,39 @@ def _prepare(base_model: str, **inputs) -> dsl.PipelineTask:
     return _with_hf_token(task)
 
 
+def _sweep(
+    dataset, *, trial_gpus_per_worker, worker_node_selector, worker_tolerations, **inputs
+) -> dsl.PipelineTask:
+    """The tune-sweep step (its trials on GPU workers where asked); `inputs`: the component's."""
+    sweep = tune_sweep(
+        dataset=dataset,
+        **inputs,
+        workspace_path=dsl.WORKSPACE_PATH_PLACEHOLDER,
+        run_id=dsl.PIPELINE_JOB_ID_PLACEHOLDER,
+        task_name=dsl.PIPELINE_TASK_NAME_PLACEHOLDER,
+    )
+    sweep.set_display_name("tune-sweep").set_caching_options(False)
+    sweep.set_retry(num_retries=2, backoff_duration="60s")
+    _with_hf_token(sweep)
+    return _with_mlflow_secret(
+        _gpu_workers(sweep, trial_gpus_per_worker, worker_node_selector, worker_tolerations)
+    )
+
+
+def _register(evaluated, threshold, name, mlflow_tracking_uri) -> None:
+    """Register the evaluated model when its test accuracy clears `threshold`."""
+    # kfp.local resolves conditions on a task's single `Output` only: evaluate returns the
+    # accuracy as that, and hands the model URI over as an artifact.
+    with dsl.If(evaluated.outputs["Output"] >= threshold, name="accuracy-clears-bar"):
+        reg = register_model(
+            mlflow_model=evaluated.outputs["mlflow_model"],
+            model_name=name,
+            mlflow_tracking_uri=mlflow_tracking_uri,
+        )
+        reg.set_display_name("register-model").set_caching_options(False)
+        _with_mlflow_secret(reg)
+
+
 def _train_and_evaluate(
     dataset,
     *,
@@ -232,8 +265,11 @@ def yelp_pipeline(
         max_test_samples=max_test_samples,
         seed=seed,
     )
-    sweep = tune_sweep(
-        dataset=prep.outputs["dataset"],
+    sweep = _sweep(
+        prep.outputs["dataset"],
+        trial_gpus_per_worker=trial_gpus_per_worker,
+        worker_node_selector=worker_node_selector,
+        worker_tolerations=worker_tolerations,
         base_model=base_model,
         search_space=search_space,
         hyperparameters=trial_hyperparameters,
@@ -249,17 +285,8 @@ def yelp_pipeline(
         mesh=trial_mesh,
         image=image,
         backend=backend,
-        workspace_path=dsl.WORKSPACE_PATH_PLACEHOLDER,
-        run_id=dsl.PIPELINE_JOB_ID_PLACEHOLDER,
-        task_name=dsl.PIPELINE_TASK_NAME_PLACEHOLDER,
         mlflow_tracking_uri=mlflow_tracking_uri,
         mlflow_experiment=mlflow_experiment,
-    )
-    sweep.set_display_name("tune-sweep").set_caching_options(False)
-    sweep.set_retry(num_retries=2, backoff_duration="60s")
-    _with_hf_token(sweep)
-    _with_mlflow_secret(
-        _gpu_workers(sweep, trial_gpus_per_worker, worker_node_selector, worker_tolerations)
     )
     evaluated = _train_and_evaluate(
         prep.outputs["dataset"],
@@ -277,16 +304,7 @@ def yelp_pipeline(
         mlflow_tracking_uri=mlflow_tracking_uri,
         mlflow_experiment=mlflow_experiment,
     )
-    # kfp.local resolves conditions on a task's single `Output` only: evaluate returns the
-    # accuracy as that, and hands the model URI over as an artifact.
-    with dsl.If(evaluated.outputs["Output"] >= register_threshold, name="accuracy-clears-bar"):
-        reg = register_model(
-            mlflow_model=evaluated.outputs["mlflow_model"],
-            model_name=registered_model_name,
-            mlflow_tracking_uri=mlflow_tracking_uri,
-        )
-        reg.set_display_name("register-model").set_caching_options(False)
-        _with_mlflow_secret(reg)
+    _register(evaluated, register_threshold, registered_model_name, mlflow_tracking_uri)
 
 
 @dsl.pipeline(
@@ -376,6 +394,3 @@ def train_eval_pipeline(
         mlflow_tracking_uri=mlflow_tracking_uri,
         mlflow_experiment=mlflow_experiment,
     )
-
-
-PIPELINES = {"kubejax-yelp": yelp_pipeline, "kubejax-train-eval": train_eval_pipeline}

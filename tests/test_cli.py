@@ -251,6 +251,10 @@ def _error_cases(tmp_path, trained_tiny, prepared, fake_host):
             [*tune, "--space", space, "--hyperparameters", '{"shedule": "cosine"}'],
             "hyperparameters: 'shedule' is not a setting",
         ),
+        "InfeasibleError": (
+            ["plan", "--device-memory", "1MiB", "--", "--model", "scratch", "--tokenizer", "-"],
+            "device_memory: the run needs",
+        ),
     }
 
 
@@ -266,6 +270,7 @@ ERROR_CLASSES = [
     "TrackingError",
     "EngineNotFoundError",
     "FlagError",
+    "InfeasibleError",
 ]
 
 

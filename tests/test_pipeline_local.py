@@ -207,7 +207,7 @@ def test_compiled_matches_a_fresh_compile(tmp_path):
         assert (tmp_path / rel).read_text() == (ROOT / "compiled" / rel).read_text(), rel
 
 
-@pytest.mark.parametrize("name", ["kubejax-yelp", "kubejax-train-eval"])
+@pytest.mark.parametrize("name", ["kubejax-yelp", "kubejax-train-eval", "kubejax-llm"])
 def test_compiled_pipeline_parses_as_kfp_protos(name):
     from kfp.kubernetes import kubernetes_executor_config_pb2 as k8s_pb2
     from kfp.pipeline_spec import pipeline_spec_pb2
@@ -231,7 +231,8 @@ def test_compiled_pipeline_parses_as_kfp_protos(name):
     prepare = configs["exec-prepare-yelp"]
     assert [s.secret_name for s in prepare.secret_as_env] == ["hf-token"]
     # Worker placement (the GPU profile): pipeline parameters, on the train and sweep tasks.
-    placed = ["exec-train", "exec-tune-sweep"] if name == "kubejax-yelp" else ["exec-train"]
+    swept = name in ("kubejax-yelp", "kubejax-llm")
+    placed = ["exec-train", "exec-tune-sweep"] if swept else ["exec-train"]
     for executor in placed:
         config = configs[executor]
         selector = config.node_selector.node_selector_json.component_input_parameter
@@ -258,3 +259,41 @@ def test_component_yamls_load_for_reuse():
     for path in (ROOT / "compiled" / "components").glob("*.yaml"):
         comp = components.load_component_from_file(str(path))
         assert comp.component_spec.implementation.container.image.startswith("ghcr.io/kubejax")
+
+
+def test_the_llm_profile_runs_the_llm_pipeline_with_lora_end_to_end(tmp_path):
+    """`kubejax run --local --profile llm`'s pipeline, shortened: a grid of two LoRA ranks
+    where rank 100,000's memory plan exceeds the trials' 1 GiB (pruned before it starts, not
+    failed), rank 4 trained; the final training on 2 workers with the base sharded between
+    them; the merged model evaluated and registered, its PEFT adapter beside it and in the
+    training's MLflow run."""
+    from mlflow.tracking import MlflowClient
+
+    from kubejax.local_run import run_local
+
+    trial = {"max_steps": 4, "eval_every": 2, "log_every": 2, "device_memory": "1GiB",
+             "global_batch_size": 8, "max_length": 64, "max_eval_examples": 32}  # fmt: skip
+    train = {"max_steps": 8, "eval_every": 4, "log_every": 4, "global_batch_size": 8,
+             "max_length": 64, "max_eval_examples": 32, "learning_rate": 3e-3}  # fmt: skip
+    space = {"lora_rank": {"type": "categorical", "choices": [4, 100000]}}
+    overrides = [
+        "algorithm=grid", f"search_space={json.dumps(space)}",
+        f"trial_hyperparameters={json.dumps(trial)}", f"train_hyperparameters={json.dumps(train)}",
+        "max_test_samples=100", "max_validation_samples=64",
+    ]  # fmt: skip
+    terminal = io.StringIO()
+    summary = run_local(tmp_path / "run", overrides, profile="llm", terminal=terminal)
+    printed = terminal.getvalue()
+    assert summary["pipeline"] == "kubejax-llm" and summary["profile"] == "llm"
+    assert summary["trials"] == {"complete": 1, "pruned": 1, "failed": 0}
+    assert summary["best_params"] == {"lora_rank": 4.0}
+    assert "trial 1 pruned before it started: device_memory: the run needs" in printed
+    assert "kubejax trainer: 2 process(es)" in printed
+    model = _artifact(tmp_path / "run", "train", "model")
+    config = json.loads((model / "adapter" / "adapter_config.json").read_text())
+    assert config["r"] == 4 and config["task_type"] == "CAUSAL_LM"
+    assert (model / "model.safetensors").is_file()
+    assert summary["model_uri"].startswith("models:/")
+    client = MlflowClient(summary["mlflow_tracking_uri"])
+    names = [f.path for f in client.list_artifacts(summary["training_run_id"], "adapter")]
+    assert names == ["adapter/adapter_config.json", "adapter/adapter_model.safetensors"]

@@ -544,3 +544,47 @@ def test_a_trial_whose_loss_diverges_fails_and_the_sweep_goes_on(
     assert bad.info.status == "FAILED"
     losses = [m.value for m in client.get_metric_history(bad.info.run_id, "loss")]
     assert losses and not all(math.isfinite(v) for v in losses)
+
+
+def test_trials_the_devices_cannot_run_are_pruned_before_they_start(client, tmp_path):
+    """A point whose memory plan does not fit (`InfeasibleError` from the trial's spec) is
+    pruned without a job, its reason in the trial's line and record; the failure budget stays
+    whole (max_failed_trials 0) and the other points run."""
+    from kubejax.trainer.config import InfeasibleError
+
+    runs = factory(steps=2)
+
+    def make(number, params, out, name):
+        if params["x"] > 0.5:
+            raise InfeasibleError("device_memory: the run needs 9.00 GiB per device, more ...")
+        return runs(number, params, out, name)
+
+    lines = []
+    space = {"x": {"type": "categorical", "choices": [0.2, 0.9, 0.4]}}
+    result = tune(_cfg(space, algorithm="grid", max_trials=3, max_failed_trials=0), make,
+                  tmp_path / "t", client=client, log=lines.append)  # fmt: skip
+    assert result.counts == {"complete": 2, "pruned": 1, "failed": 0}
+    (skipped,) = [t for t in result.trials if t["state"] == "pruned"]
+    assert skipped["params"] == {"x": 0.9} and skipped["job"] == "" and skipped["steps"] == 0
+    assert skipped["skipped"].startswith("device_memory: the run needs 9.00 GiB")
+    assert any("trial 1 pruned before it started: device_memory" in line for line in lines)
+
+
+def test_a_space_none_of_whose_points_fits_the_devices_is_refused(tmp_path):
+    """Before any job or MLflow run: even the point with the most resources needs more memory
+    than the device has."""
+    from kubejax.trainer.config import InfeasibleError
+
+    scratch = json.dumps(
+        {"model_type": "llama", "hidden_size": 256, "intermediate_size": 512,
+         "num_hidden_layers": 8, "num_attention_heads": 4, "num_key_value_heads": 2,
+         "vocab_size": 2000}
+    )  # fmt: skip
+    fixed = {"model": "scratch", "tokenizer": "-", "scratch_config": scratch,
+             "device_memory": "20MiB", "max_length": 256}  # fmt: skip
+    space = {"learning_rate": {"type": "float", "low": 1e-4, "high": 1e-3},
+             "replicas": {"type": "int", "low": 1, "high": 2}}  # fmt: skip
+    with pytest.raises(InfeasibleError, match=r"search_space: no point can run, not even "):
+        sweep_with_jaxjobs(_cfg(space), data_dir=str(tmp_path), trials_root=str(tmp_path / "t"),
+                           hyperparameters=fixed, backend="local")  # fmt: skip
+    assert not (tmp_path / "t").exists()

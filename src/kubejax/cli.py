@@ -25,6 +25,8 @@ from kubejax.jobs.client import BACKENDS, in_cluster
 from kubejax.version import IMAGE, __version__
 
 EXIT_BAD_INPUT = 2
+#: The compiled pipelines (`kubejax.pipelines.catalog`), named here without importing kfp.
+PIPELINE_NAMES = ("kubejax-yelp", "kubejax-train-eval", "kubejax-llm")
 
 
 class CliError(KubejaxError):
@@ -399,7 +401,10 @@ def _add_run(sub) -> None:
     )
     p.add_argument("--workdir", default="demo-run", help="data, workspace, MLflow store")
     p.add_argument(
-        "--pipeline", default="kubejax-yelp", choices=("kubejax-yelp", "kubejax-train-eval")
+        "--pipeline",
+        default=None,
+        choices=PIPELINE_NAMES,
+        help="default: kubejax-llm with --profile llm, else kubejax-yelp",
     )
     p.add_argument(
         "--param",
@@ -412,8 +417,9 @@ def _add_run(sub) -> None:
         "--profile",
         default=None,
         help="budget: demo (the embedded synthetic data; the default without --param source), "
-        "quick (the default for your own source: one epoch, max_length 128) or full "
-        "(three epochs, max_length 256, every row)",
+        "quick (the default for your own source: one epoch, max_length 128), full "
+        "(three epochs, max_length 256, every row) or llm (the LLM pipeline with LoRA on a "
+        "small embedded decoder with random weights; a real one: --param base_model=...)",
     )
     p.add_argument(
         "--verbose",
@@ -461,9 +467,7 @@ def _add_submit(sub) -> None:
     p.add_argument("--host", required=True, help="KFP API endpoint, e.g. https://kfp.example")
     p.add_argument("--namespace", default=None, help="Kubeflow profile namespace")
     p.add_argument("--experiment", default="kubejax", help="KFP experiment name")
-    p.add_argument(
-        "--pipeline", default="kubejax-yelp", choices=("kubejax-yelp", "kubejax-train-eval")
-    )
+    p.add_argument("--pipeline", default="kubejax-yelp", choices=PIPELINE_NAMES)
     p.add_argument("--package", default=None, help="compiled YAML (default: compiled/NAME.yaml)")
     p.add_argument("--run-name", default=None)
     p.add_argument("--param", action="append", default=[], metavar="NAME=VALUE")

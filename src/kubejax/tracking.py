@@ -73,6 +73,10 @@ class Tracker:
         """Sample CPU, memory, disk, network (and GPU) into this run until `.finish()`."""
         return None
 
+    def skipped_run(self, name: str, params: Mapping[str, Any], tags: Mapping[str, str]) -> str:
+        """A nested run, already ended (KILLED), for a trial that never started; its id."""
+        return ""
+
     def update_run(self, run_id: str, tags: Mapping[str, str], status: str | None = None) -> None:
         """Tag another run of the same store (a sweep trial), optionally ending it."""
 
@@ -284,6 +288,16 @@ class MlflowTracker(Tracker):
         )
         monitor.start()
         return monitor
+
+    def skipped_run(self, name: str, params: Mapping[str, Any], tags: Mapping[str, str]) -> str:
+        from mlflow.entities import Param
+
+        exp_id = self.client.get_run(self.run_id).info.experiment_id
+        all_tags = {**tags, "mlflow.parentRunId": self.run_id, "mlflow.runName": name}
+        run_id = self.client.create_run(exp_id, tags=all_tags).info.run_id
+        self.client.log_batch(run_id, params=[Param(k, str(v)) for k, v in params.items()])
+        self.client.set_terminated(run_id, status="KILLED")
+        return run_id
 
     def update_run(self, run_id: str, tags: Mapping[str, str], status: str | None = None) -> None:
         for k, v in tags.items():

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 #: Per family: transformers' config class arguments of a tiny model. Sizes differ between
@@ -80,32 +79,9 @@ def save_tiny(family: str, folder: Path, head: str = "causal-lm", seed: int = 0,
     return model
 
 
-#: The tiny tokenizer's special tokens, as Llama 3 names them; the BOS starts every text.
-BOS, EOS = "<|begin_of_text|>", "<|end_of_text|>"
-
-
 def save_tiny_tokenizer(folder: Path, vocab_size: int = 400) -> int:
-    """A byte-level BPE `tokenizer.json` (as Llama 3's and Qwen's are: no pad token, BOS added
-    in front), trained on SYNTHETIC reviews; returns its vocabulary size."""
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
+    """A byte-level BPE tokenizer of `vocab_size` trained on SYNTHETIC reviews (the library's
+    `write_bpe_tokenizer`); returns its vocabulary size."""
+    from kubejax.data.synthetic import write_bpe_tokenizer
 
-    tok = Tokenizer(models.BPE())
-    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    tok.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(
-        vocab_size=vocab_size,
-        special_tokens=[BOS, EOS],
-        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
-        show_progress=False,
-    )
-    from kubejax.data.synthetic import generate_reviews
-
-    tok.train_from_iterator(generate_reviews(300, seed=1)[1], trainer)
-    tok.post_processor = processors.TemplateProcessing(
-        single=f"{BOS} $A", special_tokens=[(BOS, tok.token_to_id(BOS))]
-    )
-    folder.mkdir(parents=True, exist_ok=True)
-    tok.save(str(folder / "tokenizer.json"))
-    config = {"bos_token": BOS, "eos_token": EOS, "tokenizer_class": "PreTrainedTokenizerFast"}
-    (folder / "tokenizer_config.json").write_text(json.dumps(config))
-    return tok.get_vocab_size()
+    return write_bpe_tokenizer(folder, vocab_size)

@@ -71,7 +71,8 @@ def test_a_run_that_does_not_fit_is_refused_naming_each_figure_and_what_fits():
         plan.check_fits(cfg, model_cfg, 5, 4, plan.parse_bytes("300MiB"))
     message = str(err.value)
     assert message.startswith("device_memory: the run needs")
-    for figure in ("parameters", "gradients", "optimizer", "activations", "total"):
+    assert "\n" not in message
+    for figure in ("params", "grads", "optimizer", "activations", "gathered", "on mesh"):
         assert figure in message
     mesh, accum = message.split("fits with mesh=")[1].split(" and grad_accum_steps=")
     fit = plan.plan_memory(
@@ -124,3 +125,23 @@ def test_render_refuses_a_mesh_the_workers_do_not_make(capsys):
     assert "tensor=8 does not divide the model's num_attention_heads (4)" in (
         capsys.readouterr().err
     )
+
+
+def test_lora_settings_are_refused_before_any_job(capsys):
+    """A rank of 0, a target no decoder has, LoRA on BERT: one line naming the setting, exit
+    status 2, no manifest."""
+    decoder = ["--model", "scratch", "--tokenizer", "-", "--scratch-config", SMALL]
+    tiny_bert = json.dumps({"hidden_size": 32, "num_attention_heads": 2})
+    bert = ["--model", "scratch", "--tokenizer", "-", "--scratch-config", tiny_bert]
+    cases = {
+        "lora_rank: must be at least 1, got 0": [*decoder, "--peft", "lora", "--lora-rank", "0"],
+        "lora_targets: query matches no module of the decoders; their projections are q_proj":
+            [*decoder, "--peft", "lora", "--lora-targets", "attention,query"],
+        "peft: lora applies to the decoder families; BERT trains in full":
+            [*bert, "--peft", "lora"],
+        "peft: 'qlora2' is not one of none, lora": [*decoder, "--peft", "qlora2"],
+    }  # fmt: skip
+    for expected, args in cases.items():
+        assert main(["render", "--", *args]) == 2, expected
+        out, err = capsys.readouterr()
+        assert expected in err and out == "", (expected, err)

@@ -176,3 +176,20 @@ def test_two_processes_give_one_process_losses(
     ours, expected = (load_file(run / "model" / "model.safetensors") for run in (two, one))
     for name, value in expected.items():
         assert np.abs(ours[name] - value).max() <= 2e-4 * np.abs(value).max(), name
+
+
+def test_lora_on_a_sharded_mesh_gives_the_replicated_losses(
+    tiny_decoder_dir, prepared_prompts, tmp_path
+):
+    """peft=lora with the task causal-lm: the frozen base in its shards (fsdp=2 × tensor=2),
+    the adapters replicated, the losses of the data-parallel run on the same 4 devices."""
+    common = {"peft": "lora", "lora_targets": "all", "max_steps": 3, "max_eval_examples": 16,
+              "save_final": False}  # fmt: skip
+    runs = {mesh: tmp_path / (mesh or "replicated") for mesh in ("", "fsdp=2,tensor=2")}
+    for mesh, out in runs.items():
+        _trainer(tiny_args(tiny_decoder_dir, prepared_prompts, out, mesh=mesh, **common))
+    losses = [
+        [row["loss"] for row in json.loads((out / "metrics.json").read_text())["train"]]
+        for out in runs.values()
+    ]
+    np.testing.assert_allclose(losses[1], losses[0], rtol=1e-4)

@@ -92,3 +92,36 @@ def write_yelp_dir(path: str | Path, n_train: int, n_test: int, seed: int = 0) -
     write_yelp_csv(path / "train.csv", n_train, seed)
     write_yelp_csv(path / "test.csv", n_test, seed + 1)
     return path
+
+
+#: The special tokens of `write_bpe_tokenizer` (Llama 3's names).
+BOS, EOS = "<|begin_of_text|>", "<|end_of_text|>"
+
+
+def write_bpe_tokenizer(folder: str | Path, vocab_size: int = 400, seed: int = 1) -> int:
+    """A byte-level BPE `tokenizer.json` as Llama 3's and Qwen's are (no pad token, BOS added
+    in front), trained on SYNTHETIC reviews, for the small decoders built without a hub (the
+    tests', `--profile llm`'s); returns its vocabulary size."""
+    import json
+
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size,
+        special_tokens=[BOS, EOS],
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
+    tok.train_from_iterator(generate_reviews(300, seed=seed)[1], trainer)
+    tok.post_processor = processors.TemplateProcessing(
+        single=f"{BOS} $A", special_tokens=[(BOS, tok.token_to_id(BOS))]
+    )
+    folder = Path(folder)
+    folder.mkdir(parents=True, exist_ok=True)
+    tok.save(str(folder / "tokenizer.json"))
+    config = {"bos_token": BOS, "eos_token": EOS, "tokenizer_class": "PreTrainedTokenizerFast"}
+    (folder / "tokenizer_config.json").write_text(json.dumps(config))
+    return tok.get_vocab_size()

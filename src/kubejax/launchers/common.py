@@ -45,6 +45,19 @@ def check_hyperparameters(params: dict[str, Any]) -> TrainConfig:
     return TrainConfig(**vars(values)).validate(check_paths=False)
 
 
+#: Trainer settings a component takes as parameters of their own (beside `hyperparameters`):
+#: an empty string or 0 leaves the hyperparameters' value (or the trainer's default).
+SETTING_PARAMS = ("mesh", "peft", "lora_rank", "lora_alpha", "lora_targets")
+
+
+def with_settings(hyperparameters: dict, **settings) -> dict:
+    """`hyperparameters` with the components' own setting parameters that are set."""
+    unknown = set(settings) - set(SETTING_PARAMS)
+    if unknown:
+        raise TypeError(f"not a component setting: {', '.join(sorted(unknown))}")
+    return {**hyperparameters, **{k: v for k, v in settings.items() if v not in ("", 0, None)}}
+
+
 def with_mlflow_tags(hyperparameters: dict, tags: dict[str, str]) -> dict:
     """The settings with `tags` added to the user's own `mlflow_tags` (a JSON object)."""
     user = json.loads(hyperparameters.get("mlflow_tags") or "{}")

@@ -24,8 +24,10 @@ from kubejax.launchers.common import (
     task_config_fields,
     task_root,
     with_mlflow_tags,
+    with_settings,
     worker_env,
 )
+from kubejax.trainer.config import InfeasibleError
 from kubejax.tune.controller import (
     SweepConfig,
     SweepResult,
@@ -108,9 +110,7 @@ def sweep_with_jaxjobs(
     lowest = lowest_point(cfg.space)
     point = {k: v for k, v in lowest.items() if k not in RESOURCE_PARAMS}
     checked = check_hyperparameters({**hyperparameters, **point})
-    pod = task_config_fields(task_config)
-    pod["resources"] = pod_resources(pod, int(lowest.get("devices_per_worker", devices_per_worker)))
-    check_job(checked, int(lowest.get("replicas", replicas)), pod)
+    _check_some_point_fits(cfg.space, checked, replicas, devices_per_worker, task_config)
     if cfg.max_workers and "replicas" not in cfg.space and replicas > cfg.max_workers:
         raise SweepError(
             f"max_workers: {cfg.max_workers} is below the {replicas} workers of every trial"
@@ -149,6 +149,26 @@ def sweep_with_jaxjobs(
         return result, tracker.run_id or ""
     finally:
         tracker.finish(status)
+
+
+def _check_some_point_fits(space, checked, replicas, devices_per_worker, task_config) -> None:
+    """Refuse a space none of whose points the devices can run, before any job: the point
+    most likely to fit (every resource at its most, every other setting at its lowest) is
+    checked against the mesh and the memory plan. Other points that do not fit are skipped
+    one by one as the sweep meets them."""
+    point = lowest_point(space)
+    for name in RESOURCE_PARAMS:
+        entry = space.get(name)
+        if entry is not None:
+            point[name] = max(entry["choices"]) if "choices" in entry else entry["high"]
+    pod = task_config_fields(task_config)
+    pod["resources"] = pod_resources(pod, int(point.get("devices_per_worker", devices_per_worker)))
+    try:
+        check_job(checked, int(point.get("replicas", replicas)), pod)
+    except InfeasibleError as err:
+        raise InfeasibleError(
+            f"search_space: no point can run, not even {point} with the most resources: {err}"
+        ) from err
 
 
 def _sweep_params(cfg: SweepConfig) -> dict:
@@ -205,8 +225,12 @@ def sweep_task(
     pruner_min_steps: int = 1,
     seed: int = 0,
     replicas: int = 1,
-    mesh: str = "",
     devices_per_worker: int = 0,
+    mesh: str = "",
+    peft: str = "",
+    lora_rank: int = 0,
+    lora_alpha: float = 0.0,
+    lora_targets: str = "",
     image: str = "",
     backend: str = "auto",
     workspace_path: str = "",
@@ -246,8 +270,14 @@ def sweep_task(
         data_dir=str(stage_dataset(dataset_path, workspace_path, root)),
         trials_root=str(root / "trials"),
         hyperparameters={
-            **(hyperparameters or {}),
-            **({"mesh": mesh} if mesh else {}),
+            **with_settings(
+                hyperparameters or {},
+                mesh=mesh,
+                peft=peft,
+                lora_rank=lora_rank,
+                lora_alpha=lora_alpha,
+                lora_targets=lora_targets,
+            ),
             "model": base_model,
         },
         image=image or IMAGE,

@@ -19,6 +19,7 @@ from kubejax.jobs.client import JAXJobClient
 from kubejax.jobs.launch import run_job
 from kubejax.jobs.spec import job_name
 from kubejax.launchers.common import (
+    SETTING_PARAMS,
     build_train_spec,
     copytree,
     is_local,
@@ -27,6 +28,7 @@ from kubejax.launchers.common import (
     stage_dataset,
     task_root,
     with_mlflow_tags,
+    with_settings,
     worker_env,
 )
 from kubejax.trainer.config import ConfigError
@@ -128,17 +130,20 @@ def train_task(
     best_params: dict[str, Any] | None = None,
     mlflow_experiment: str = "kubejax",
     image: str = "",
-    mesh: str = "",
     **launch,
 ) -> TrainOutcome:
     """Train `base_model` with `hyperparameters` overridden by `best_params` (a sweep's, whose
     `replicas` sets the worker count), as a job (`launch`: the keywords of
-    `train_with_jaxjob`); the figures and report of the run."""
+    `train_with_jaxjob`, or the train component's parameters by their names, its setting
+    parameters (`SETTING_PARAMS`) included); the figures and report of the run."""
+    settings = {k: launch.pop(k) for k in SETTING_PARAMS if k in launch}
+    renamed = {"timeout_seconds": "timeout", "workspace_path": "workspace"}
+    launch = {renamed.get(k, k): v for k, v in launch.items()}
     best = dict(best_params or {})
     for resource in ("replicas", "devices_per_worker"):
         if resource in best:
             launch[resource] = int(best.pop(resource))
-    hp = {**(hyperparameters or {}), **({"mesh": mesh} if mesh else {}), **best}
+    hp = {**with_settings(hyperparameters or {}, **settings), **best}
     hp["model"] = base_model
     hp.setdefault("mlflow_experiment", mlflow_experiment)
     result = train_with_jaxjob(

@@ -226,16 +226,25 @@ def _ropes(hf, layer_types: list[str]) -> dict[str, Rope]:
 
 class Linear(nnx.Module):
     """`x @ kernel (+ bias)`, kernel [in, out] in float32, computed in the compute dtype
-    through `kernels.linear` (its weight gradient in the form XLA's CPU backend runs fast)."""
+    through `kernels.linear` (its weight gradient in the form XLA's CPU backend runs fast);
+    with a LoRA adapter (`kubejax.models.lora`) `+ (x @ lora_a) @ lora_b · lora_scale`."""
 
     def __init__(self, n_in: int, n_out: int, bias: bool, dtype, rngs: nnx.Rngs):
         init = nnx.initializers.normal(0.02)
         self.kernel = nnx.Param(init(rngs.params(), (n_in, n_out), jnp.float32))
         self.bias = nnx.Param(jnp.zeros((n_out,), jnp.float32)) if bias else None
         self.dtype = dtype
+        # Data, not static structure: `kubejax.models.lora` sets them later.
+        self.lora_a, self.lora_b = nnx.data(None), nnx.data(None)
+        self.lora_scale = 0.0
 
     def __call__(self, x: jax.Array) -> jax.Array:
-        y = linear(x.astype(self.dtype), self.kernel[...])
+        x = x.astype(self.dtype)
+        y = linear(x, self.kernel[...])
+        if self.lora_a is not None:
+            low = product(x, self.lora_a[...].astype(self.dtype)).astype(self.dtype)
+            update = product(low, self.lora_b[...].astype(self.dtype)).astype(jnp.float32)
+            y = (y + update * self.lora_scale).astype(self.dtype)
         if self.bias is not None:
             y = (y + self.bias[...]).astype(self.dtype)
         return checkpoint_name(y, "projection")

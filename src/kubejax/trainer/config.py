@@ -28,12 +28,18 @@ OPTIMIZER_SETTINGS = {
 }
 DTYPES = ("float32", "bfloat16")
 REMATS = ("none", "minimal", "full")
+PEFTS = ("none", "lora")
 #: Training tasks: a classification head, or a decoder writing each label's answer.
 TASKS = ("classification", "causal-lm")
 
 
 class ConfigError(KubejaxError, ValueError):
     """A bad trainer setting; the message starts with the setting's name."""
+
+
+class InfeasibleError(ConfigError):
+    """Settings the job's devices cannot run: a mesh they do not make, a memory plan over the
+    device's memory. A sweep skips such a trial (pruned) instead of failing it."""
 
 
 @dataclass
@@ -92,6 +98,18 @@ class TrainConfig:
         "needs more is refused before it starts, naming the smallest mesh / micro-batch that "
         "fits; empty: the GPU's own (its node's nvidia.com/gpu.product, or what JAX reports), "
         "no check on CPU",
+    )
+    peft: str = _f(
+        "none",
+        "none (full fine-tuning) or lora (low-rank adapters on a frozen base: only they and a "
+        "classifier's head train; exported as a PEFT adapter and a merged model)",
+    )
+    lora_rank: int = _f(16, "LoRA: the adapters' rank")
+    lora_alpha: float = _f(32.0, "LoRA: the adapters' scale is lora_alpha / lora_rank (PEFT's)")
+    lora_targets: str = _f(
+        "attention",
+        "LoRA: the projections adapted: attention (q/k/v/o), mlp (gate/up/down), all, or "
+        "names such as q_proj,v_proj",
     )
     optimizer: str = _f("adamw", "adamw, adafactor, lion or sgd (optax)")
     learning_rate: float = _f(5e-5, "peak learning rate")
@@ -227,6 +245,12 @@ class TrainConfig:
             raise ConfigError(f"remat: {self.remat!r} is not one of {', '.join(REMATS)}")
         if self.device_memory:
             parse_bytes(self.device_memory)
+        if self.peft not in PEFTS:
+            raise ConfigError(f"peft: {self.peft!r} is not one of {', '.join(PEFTS)}")
+        if self.lora_rank < 1:
+            raise ConfigError(f"lora_rank: must be at least 1, got {self.lora_rank}")
+        if self.lora_alpha <= 0:
+            raise ConfigError(f"lora_alpha: must be positive, got {self.lora_alpha}")
 
     def _validate_optimizer(self) -> None:
         if self.optimizer not in OPTIMIZERS:

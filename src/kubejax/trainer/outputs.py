@@ -7,3 +7,5 @@ METRICS_FILE = "metrics.json"
 MODEL_DIR = "model"
 #: Metric values the MLflow server never took (an outage past the retries), with the run id.
 UNDELIVERED_FILE = "mlflow-undelivered.json"
+#: Under LoRA, the adapter in PEFT's format, inside MODEL_DIR (which holds the merged model).
+ADAPTER_DIR = "adapter"

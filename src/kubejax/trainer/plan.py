@@ -19,9 +19,10 @@ import re
 
 import jax
 
+from kubejax.models import weights
 from kubejax.models.partitioning import logical_tree
 from kubejax.trainer import sharding
-from kubejax.trainer.config import ConfigError, TrainConfig, parse_bytes
+from kubejax.trainer.config import ConfigError, InfeasibleError, TrainConfig, parse_bytes
 
 #: Device memory by GPU product (the `nvidia.com/gpu.product` node label), where the name does
 #: not carry it ("NVIDIA-H100-80GB-HBM3" does: read from the name).
@@ -81,6 +82,18 @@ class MemoryPlan:
     def fits(self) -> bool:
         return self.device_memory is None or self.total <= self.device_memory
 
+    def figures(self) -> str:
+        """The figures in one line."""
+        mesh = ",".join(f"{k}={v}" for k, v in self.mesh.items())
+        parts = ", ".join(
+            f"{name} {human(getattr(self, name))}"
+            for name in ("params", "grads", "optimizer", "activations", "gathered")
+        )
+        return (
+            f"{parts}, on mesh {mesh} with {self.micro_batch} rows of {self.length} tokens a "
+            "device a micro-batch"
+        )
+
     def describe(self) -> str:
         """One line per figure."""
         mesh = ",".join(f"{k}={v}" for k, v in self.mesh.items())
@@ -101,8 +114,6 @@ class MemoryPlan:
 def abstract_params(model_cfg, task: str, num_labels: int) -> dict:
     """The model's parameter shapes (`jax.ShapeDtypeStruct`s, float32), nothing allocated."""
     from flax import nnx
-
-    from kubejax.models import weights
 
     if weights.is_decoder(model_cfg):
         from kubejax.models import decoder_weights
@@ -132,6 +143,11 @@ def plan_memory(
     pbytes = 2 if cfg.param_dtype == "bfloat16" else 4
     elems = [(x.size // n, x.ndim) for x, n in zip(jax.tree.leaves(params), shards, strict=True)]
     held = sum(e * (pbytes if nd >= 2 else 4) for e, nd in elems)
+    # What trains: everything, or LoRA's adapters (replicated, float32) and a classifier's head.
+    trains = elems if cfg.peft == "none" else _lora_elements(cfg, params)
+    if cfg.peft != "none":
+        held += sum(e * 4 for e, _ in trains)
+    trained = sum(e * (pbytes if nd >= 2 and cfg.peft == "none" else 4) for e, nd in trains)
     batch_devices = sizes["data"] * sizes["fsdp"]
     micro = cfg.global_batch_size // cfg.grad_accum_steps // batch_devices
     return MemoryPlan(
@@ -140,12 +156,28 @@ def plan_memory(
         length=cfg.max_length,
         params=held,
         # The accumulation's running sum beside each micro-batch's gradients.
-        grads=held * (2 if cfg.grad_accum_steps > 1 else 1),
-        optimizer=sum(_moment_elements(cfg, e, nd) * 4 for e, nd in elems),
+        grads=trained * (2 if cfg.grad_accum_steps > 1 else 1),
+        optimizer=sum(_moment_elements(cfg, e, nd) * 4 for e, nd in trains),
         activations=_activations(cfg, model_cfg, sizes, micro),
         gathered=_gathered(params, shards, sizes, pbytes, cfg),
         device_memory=device_memory,
     )
+
+
+def _lora_elements(cfg: TrainConfig, params) -> list[tuple[int, int]]:
+    """(elements, ndim) of what trains under LoRA: each adapted kernel's A and B, the head."""
+    from kubejax.models.lora import target_names
+    from kubejax.models.partitioning import path_name
+
+    names = target_names(cfg.lora_targets)
+    out = []
+    for path, x in jax.tree_util.tree_flatten_with_path(params)[0]:
+        name = path_name(path)
+        if name.endswith(".kernel") and name.split(".")[-2] in names and "score" not in name:
+            out += [(x.shape[0] * cfg.lora_rank, 2), (cfg.lora_rank * x.shape[1], 2)]
+        elif name.startswith("score."):
+            out.append((x.size, x.ndim))
+    return out
 
 
 def _shard_counts(params, sizes: dict[str, int]) -> list[int]:
@@ -226,7 +258,7 @@ def _gathered(params, shards: list[int], sizes, pbytes: int, cfg: TrainConfig) -
             whole = x.size // n * (sizes["fsdp"] if n % sizes["fsdp"] == 0 and n > 1 else 1)
             groups[key] = groups.get(key, 0) + whole * (pbytes if x.ndim >= 2 else 4)
         out += 2 * max(groups.values())
-    if cfg.param_dtype == "bfloat16":
+    if cfg.param_dtype == "bfloat16" and cfg.peft == "none":
         out += sum(x.size // n * 4 for (_, x), n in zip(flat, shards, strict=True) if x.ndim >= 2)
     return out
 
@@ -277,9 +309,9 @@ def check_fits(
         "(replicas × devices_per_worker), bfloat16 weights (param_dtype), remat or a shorter "
         "max_length"
     )
-    raise ConfigError(
-        f"device_memory: the run needs {human(plan.total)} per device, more than the "
-        f"{human(device_memory)} of the device:\n{plan.describe()}\n{advice}"
+    raise InfeasibleError(
+        f"device_memory: the run needs {human(plan.total)} per device ({plan.figures()}), "
+        f"more than the {human(device_memory)} of the device; {advice}"
     )
 
 
@@ -287,8 +319,6 @@ def model_config(cfg: TrainConfig):
     """The model's config without its weights: a local folder's, `scratch_config`, or a hub
     id's config.json alone."""
     from pathlib import Path
-
-    from kubejax.models import weights
 
     if cfg.model == "scratch":
         return weights.scratch_config(cfg.scratch_config)
@@ -317,21 +347,41 @@ def check_job(
     try:
         sizes = sharding.parse_mesh(cfg.mesh, devices)
     except sharding.MeshError as err:
-        raise ConfigError(
+        raise InfeasibleError(
             f"{err} (replicas {replicas} × devices_per_worker {max(devices_per_worker, 1)})"
         ) from err
     memory = device_memory_of(cfg, node_selector or {})
-    if not memory and sizes["tensor"] == 1:
+    if cfg.peft != "none":
+        _check_lora(cfg)
+    if not memory and sizes["tensor"] == 1 and cfg.peft == "none":
         return None, devices
     model_cfg = _model_config(cfg)
+    if cfg.peft != "none" and not weights.is_decoder(model_cfg):
+        raise ConfigError("peft: lora applies to the decoder families; BERT trains in full")
     try:
         sharding.check_model(model_cfg, sizes)
     except sharding.MeshError as err:
-        raise ConfigError(str(err)) from err
+        raise InfeasibleError(str(err)) from err
     if not memory:
         return None, devices
     # The head's size (the labels) is negligible beside the model: Yelp's 5 when not given.
     return check_fits(cfg, model_cfg, cfg.num_labels or 5, devices, memory), devices
+
+
+def _check_lora(cfg: TrainConfig) -> None:
+    """The LoRA targets against the projections every decoder family has."""
+    from kubejax.models.lora import TARGET_GROUPS, LoraError, target_names
+
+    try:
+        unknown = [n for n in target_names(cfg.lora_targets) if n not in TARGET_GROUPS["all"]]
+    except LoraError as err:
+        raise ConfigError(str(err)) from err
+    if unknown:
+        raise ConfigError(
+            f"lora_targets: {', '.join(unknown)} matches no module of the decoders; their "
+            f"projections are {', '.join(TARGET_GROUPS['all'])} (groups: "
+            f"{', '.join(TARGET_GROUPS)})"
+        )
 
 
 def _model_config(cfg: TrainConfig):

@@ -15,11 +15,12 @@ from kubejax.models.kernels import matrices_in
 from kubejax.trainer import distributed
 
 
-def loss_fn(graphdef, params, batch, key, deterministic: bool):
+def loss_fn(graphdef, params, batch, key, deterministic: bool, frozen=None):
     """Mean cross-entropy over the batch, with the accuracy and the logits: of the labels for a
     classifier; of the answers' tokens for a language model (`targets`, read at `target_at`),
-    a row counted correct when every token of its answer is the most likely one."""
-    model = nnx.merge(graphdef, params)
+    a row counted correct when every token of its answer is the most likely one. `frozen`:
+    the parameters that do not train (LoRA's base), beside `params`."""
+    model = nnx.merge(graphdef, params) if frozen is None else nnx.merge(graphdef, params, frozen)
     if "targets" in batch:
         logits = model(batch["input_ids"], batch["attention_mask"], at=batch["target_at"])
         w = batch["target_weights"]
@@ -65,8 +66,9 @@ def _piece_budget(mesh) -> int:
 
 
 def make_train_step(
-    graphdef, tx, mesh, seed: int, sparse_embedding: str | None = None, shardings=None
-):
+    graphdef, tx, mesh, seed: int, sparse_embedding: str | None = None, shardings=None,
+    frozen=None,
+):  # fmt: skip
     """One optimizer step over a global batch [accum, micro, length] at the given learning rate;
     state is donated. `sparse_embedding`: the path of an embedding table whose gradient has
     rows only at the batch's tokens (the model's `sparse_embedding`), exchanged as those rows
@@ -75,7 +77,10 @@ def make_train_step(
     `shardings` (parameters', optimizer state's) on a named mesh (`kubejax.trainer.sharding`):
     the state stays in those shards and the partitioner (GSPMD) gathers and reduces what each
     product needs (FSDP, tensor parallelism); without, state is replicated and gradients are
-    averaged over the `data` axis by hand."""
+    averaged over the `data` axis by hand.
+
+    `frozen`: parameters that take no gradient and no optimizer state (LoRA's base model), an
+    input of every step beside `params`."""
     rep = distributed.replicated(mesh)
     base_key = jax.random.key(seed)
     budget = _piece_budget(mesh)
@@ -83,14 +88,14 @@ def make_train_step(
 
     @partial(jax.jit, donate_argnums=(0, 1), out_shardings=(params_sh, opt_sh, rep))
     @on_mesh(mesh if shardings is not None else None)
-    def train_step(params, opt_state, batch, step, learning_rate):
+    def train_step(params, opt_state, batch, step, learning_rate, frozen=None):
         key = jax.random.fold_in(base_key, step)
         # Dropout masks are a deterministic function of seed, step and (data-parallel) device.
         if mesh.size == 1 or shardings is not None:
-            loss, acc, grads = _gradients(graphdef, params, batch, key, budget)
+            loss, acc, grads = _gradients(graphdef, params, batch, key, budget, frozen)
         else:
             loss, acc, grads = _data_parallel_gradients(
-                graphdef, mesh, params, batch, key, budget, sparse_embedding
+                graphdef, mesh, params, batch, key, budget, sparse_embedding, frozen
             )
         hyperparams = {**opt_state.hyperparams, "learning_rate": learning_rate}
         opt_state = opt_state._replace(hyperparams=hyperparams)
@@ -103,7 +108,7 @@ def make_train_step(
         }
         return params, opt_state, metrics
 
-    return train_step
+    return train_step if frozen is None else partial(train_step, frozen=frozen)
 
 
 def on_mesh(mesh):
@@ -115,9 +120,9 @@ def on_mesh(mesh):
             return fn
 
         @wraps(fn)
-        def traced(*args):
+        def traced(*args, **kwargs):
             with jax.sharding.use_abstract_mesh(mesh.abstract_mesh):
-                return fn(*args)
+                return fn(*args, **kwargs)
 
         return traced
 
@@ -134,7 +139,9 @@ def _update(tx, params, grads, opt_state):
     return jax.tree.map(lambda n, p: n.astype(p.dtype), new, params), opt_state
 
 
-def _data_parallel_gradients(graphdef, mesh, params, batch, key, budget: int, sparse_embedding):
+def _data_parallel_gradients(
+    graphdef, mesh, params, batch, key, budget: int, sparse_embedding, frozen=None
+):
     """Each device's gradients of its share of the batch, averaged over the devices in one
     all-reduce: every dense gradient as one flat buffer, and of the word-embedding table only
     the rows of the batch's tokens.
@@ -149,13 +156,18 @@ def _data_parallel_gradients(graphdef, mesh, params, batch, key, budget: int, sp
     axis = distributed.DATA_AXIS
     batch_spec = {k: spec(None, axis) for k in batch}
 
-    @partial(jax.shard_map, mesh=mesh, in_specs=(spec(), batch_spec, spec()), out_specs=spec())
-    def local(params, batch, key):
+    @partial(
+        jax.shard_map, mesh=mesh, in_specs=(spec(), batch_spec, spec(), spec()), out_specs=spec()
+    )
+    def local(params, batch, key, frozen):
         key = jax.random.fold_in(key, jax.lax.axis_index(axis))
         # Differentiate each device's own copy of the parameters: for replicated ones JAX
         # would sum the gradients across devices by itself, tensor by tensor.
         params = jax.lax.pcast(params, axis, to="varying")
-        loss, acc, grads = _gradients(graphdef, params, batch, key, budget)
+        # The frozen too: the products' backward rule (`kernels.linear`) gives every kernel a
+        # cotangent typed like the varying activations, unused for these.
+        frozen = jax.lax.pcast(frozen, axis, to="varying")
+        loss, acc, grads = _gradients(graphdef, params, batch, key, budget, frozen)
         if sparse_embedding is None:
             return jax.lax.pmean((loss, acc, grads), axis)
         paths, treedef = jax.tree_util.tree_flatten_with_path(grads)
@@ -176,18 +188,20 @@ def _data_parallel_gradients(graphdef, mesh, params, batch, key, budget: int, sp
         table = jnp.zeros(leaves[word].shape, leaves[word].dtype).at[ids].set(rows)
         return loss, acc, treedef.unflatten([*dense[:word], table, *dense[word:]])
 
-    return local(params, batch, key)
+    return local(params, batch, key, frozen)
 
 
-def _gradients(graphdef, params, batch, key, budget: int):
+def _gradients(graphdef, params, batch, key, budget: int, frozen=None):
     """Mean loss, accuracy and gradients over the micro-batches of [accum, micro, length], each
-    micro-batch in pieces of at most `budget` tokens (0: whole)."""
+    micro-batch in pieces of at most `budget` tokens (0: whole); `frozen` takes none."""
     accum, size, length = batch["input_ids"].shape
     rows = piece_rows(size, length, budget)
     # Pieces of equal size, so the mean over pieces is the mean over the micro-batch.
     accum = accum * size // rows
     batch = jax.tree.map(lambda x: x.reshape(accum, rows, *x.shape[2:]), batch)
-    grad_fn = jax.value_and_grad(partial(loss_fn, graphdef, deterministic=False), has_aux=True)
+    grad_fn = jax.value_and_grad(
+        partial(loss_fn, graphdef, deterministic=False, frozen=frozen), has_aux=True
+    )
     if accum == 1:
         # No loop: a scan of one would still zero and add a copy of every gradient.
         (loss, (acc, _)), grads = grad_fn(params, jax.tree.map(lambda x: x[0], batch), key)
@@ -205,9 +219,10 @@ def _gradients(graphdef, params, batch, key, budget: int):
     return loss.mean(), acc.mean(), jax.tree.map(lambda g: g / accum, grads)
 
 
-def make_eval_step(graphdef, mesh):
+def make_eval_step(graphdef, mesh, frozen=None):
     """Weighted loss and accuracy sums over a global batch of packed rows
-    (`dataset.packed_eval_batches`), and the logits of every review slot."""
+    (`dataset.packed_eval_batches`), and the logits of every review slot; `frozen` as in
+    `make_train_step`."""
     rep = distributed.replicated(mesh)
     budget = _piece_budget(mesh)
 
@@ -216,8 +231,8 @@ def make_eval_step(graphdef, mesh):
     # measured 1 % slower in float32 and 7 % in bfloat16 (bench/NOTES.md, attempt 42).
     @partial(jax.jit, out_shardings=(rep, distributed.batch_sharding(mesh)))
     @on_mesh(mesh if mesh.axis_names != (distributed.DATA_AXIS,) else None)
-    def eval_step(params, batch):
-        model = nnx.merge(graphdef, params)
+    def eval_step(params, batch, frozen=None):
+        model = nnx.merge(graphdef, params, *([] if frozen is None else [frozen]))
         devices = mesh.size // mesh.shape.get("tensor", 1)  # those the batch is split over
         logits = _logits_in_pieces(model, batch, devices, budget)
         ce = optax.softmax_cross_entropy_with_integer_labels(logits, batch["labels"])
@@ -226,7 +241,7 @@ def make_eval_step(graphdef, mesh):
         sums = {"loss": (ce * w).sum(), "correct": (correct * w).sum(), "count": w.sum()}
         return sums, logits
 
-    return eval_step
+    return eval_step if frozen is None else partial(eval_step, frozen=frozen)
 
 
 def _logits_in_pieces(model, batch, devices: int, budget: int):

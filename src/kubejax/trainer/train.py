@@ -32,14 +32,14 @@ from flax import nnx
 from kubejax import monitoring, report, tracking
 from kubejax.data import dataset
 from kubejax.errors import KubejaxError
-from kubejax.models import weights
+from kubejax.models import lora, weights
 from kubejax.models.bert import BertClassifier
 from kubejax.models.kernels import matrices_in
 from kubejax.trainer import distributed, plan, sharding
 from kubejax.trainer.checkpoint import Checkpointer
 from kubejax.trainer.compile_cache import use_user_dir
 from kubejax.trainer.config import ConfigError, TrainConfig
-from kubejax.trainer.outputs import METRICS_FILE, MODEL_DIR, UNDELIVERED_FILE
+from kubejax.trainer.outputs import ADAPTER_DIR, METRICS_FILE, MODEL_DIR, UNDELIVERED_FILE
 from kubejax.trainer.steps import make_eval_step, make_train_step
 
 log = logging.getLogger("kubejax.trainer")
@@ -120,10 +120,39 @@ def classifier_for(
             raise ConfigError(f"{unusable} ({str(err).removeprefix('model: ')})") from err
     if weights.is_decoder(model_cfg):
         model.model.remat = cfg.remat
+    if cfg.peft == "lora":
+        _add_adapters(cfg, model, model_cfg)
     tokenizer_dir = Path(cfg.tokenizer) if cfg.tokenizer else model_dir
     if tokenizer_dir is not None and not tokenizer_dir.is_dir():
         tokenizer_dir = weights.resolve_model_dir(str(tokenizer_dir))
     return model, tokenizer_dir, fresh
+
+
+def _add_adapters(cfg: TrainConfig, model, model_cfg) -> None:
+    if not weights.is_decoder(model_cfg):
+        raise ConfigError("peft: lora applies to the decoder families; BERT trains in full")
+    try:
+        lora.apply(model, cfg.lora_rank, cfg.lora_alpha, cfg.lora_targets, cfg.seed)
+    except lora.LoraError as err:
+        raise ConfigError(str(err)) from err
+
+
+def split_trainable(cfg: TrainConfig, model, mesh):
+    """(graphdef, the parameters that train, the frozen ones or None): everything trains in
+    full fine-tuning, in `param_dtype`; under LoRA the adapters and a classifier's head train
+    in float32 and the base stays frozen in `param_dtype`, placed on the mesh (in its shards on
+    a named mesh, else replicated)."""
+    if cfg.peft == "none":
+        graphdef, params = nnx.split(model)
+        return graphdef, matrices_in(params, cfg.param_dtype), None
+    graphdef, params, frozen = nnx.split(model, lora.trainable(model), ...)
+    return graphdef, params, _place_frozen(matrices_in(frozen, cfg.param_dtype), mesh)
+
+
+def _place_frozen(frozen, mesh):
+    if sharding.is_sharded(mesh):
+        return jax.device_put(frozen, sharding.param_shardings(frozen, mesh))
+    return distributed.replicate(frozen, mesh)
 
 
 def _apply_dropout(cfg: TrainConfig, model_cfg) -> None:
@@ -624,15 +653,34 @@ class Progress:
         )
 
 
-def export_model(cfg: TrainConfig, graphdef, params, data: TrainData, tokenizer_dir) -> None:
+def state_sizes(params, opt_state) -> dict:
+    """What trains (LoRA: the adapters and a head) and the bytes of its optimizer state."""
+    return {
+        "trainable_params": sum(x.size for x in jax.tree.leaves(params)),
+        "optimizer_state_bytes": sum(x.nbytes for x in jax.tree.leaves(opt_state)),
+    }
+
+
+def export_model(
+    cfg: TrainConfig, graphdef, states, data: TrainData, tokenizer_dir, tracker=None
+) -> None:
     """The final model folder (HF layout, tokenizer and labels), written by process 0; every
-    process calls it (parameters sharded across processes are gathered together)."""
-    spread = any(not a.is_fully_addressable for a in jax.tree.leaves(params))
+    process calls it (parameters sharded across processes are gathered together). `states`:
+    the trained parameters and the frozen ones (None without). Under LoRA the folder holds the
+    merged model (adapters folded into the base in float32) and the PEFT adapter in
+    `adapter/`, also logged to the MLflow run (`tracker`) as the artifact `adapter`."""
+    states = [s for s in states if s is not None]
+    spread = any(not a.is_fully_addressable for a in jax.tree.leaves(states))
     if jax.process_index() != 0 and not spread:
         return
-    host_model = nnx.merge(graphdef, _host_params(params))
+    host_model = nnx.merge(graphdef, *map(_host_params, states))
     if jax.process_index() != 0:
         return
+    adapter = None
+    if cfg.peft == "lora":
+        adapter = Path(cfg.output_dir) / f"{MODEL_DIR}.adapter"
+        lora.save_adapter(host_model, adapter, cfg.model)
+        lora.merge(host_model)
     weights.save_model_dir(
         host_model,
         Path(cfg.output_dir) / MODEL_DIR,
@@ -643,6 +691,10 @@ def export_model(cfg: TrainConfig, graphdef, params, data: TrainData, tokenizer_
         if data.answers is None
         else {"prompt_template": data.meta["prompt_template"], "answers": data.answers},
     )
+    if adapter is not None:  # inside the model folder, which the launcher copies whole
+        adapter = adapter.replace(Path(cfg.output_dir) / MODEL_DIR / ADAPTER_DIR)
+        if tracker is not None:
+            tracker.log_artifact(adapter, "adapter")
 
 
 def make_mesh(cfg: TrainConfig):
@@ -714,8 +766,7 @@ def train_and_evaluate(cfg: TrainConfig) -> dict:
     sharded = sharding.is_sharded(mesh)
     placement = sharding.placement(mesh) if sharded else None
     model, tokenizer_dir, fresh = build_model(cfg, data, sizes, placement)
-    graphdef, params = nnx.split(model)
-    params = matrices_in(params, cfg.param_dtype)
+    graphdef, params, frozen = split_trainable(cfg, model, mesh)
     host_lr = host_learning_rates(cfg, total)
     tx = make_optimizer(cfg)
     params, opt_state, shardings = place_state(params, tx, mesh)
@@ -726,8 +777,9 @@ def train_and_evaluate(cfg: TrainConfig) -> dict:
     system_monitor = tracker.start_system_metrics("worker-0")  # None on processes 1+
     progress = Progress(cfg, out, tracker, total, host_lr, history, sampler)
     progress.say(start_message(cfg, data, start_step, fresh))
-    train_step = make_train_step(graphdef, tx, mesh, cfg.seed, model.sparse_embedding, shardings)
-    eval_step = make_eval_step(graphdef, mesh)
+    sparse = model.sparse_embedding if frozen is None else None  # LoRA: the table is frozen
+    train_step = make_train_step(graphdef, tx, mesh, cfg.seed, sparse, shardings, frozen)
+    eval_step = make_eval_step(graphdef, mesh, frozen)
 
     def save(step: int) -> None:
         ckpt.save(
@@ -767,8 +819,9 @@ def train_and_evaluate(cfg: TrainConfig) -> dict:
             save(final_step)
         ckpt.wait()
         final = progress.final(final_step, final_eval, time.monotonic() - t_start)
+        final.update(state_sizes(params, opt_state))
         if cfg.save_final:
-            export_model(cfg, graphdef, params, data, tokenizer_dir)
+            export_model(cfg, graphdef, (params, frozen), data, tokenizer_dir, tracker)
         if jax.process_index() == 0:
             progress.log_final(final)
         progress.write("completed", final_step, final)

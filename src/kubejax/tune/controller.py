@@ -24,6 +24,7 @@ from kubejax.flags import setting as _f
 from kubejax.jobs.client import FAILED, SUCCEEDED, JAXJobClient
 from kubejax.jobs.launch import delete_on_sigterm
 from kubejax.jobs.spec import JAXJobSpec, job_name
+from kubejax.trainer.config import InfeasibleError
 from kubejax.tune.space import (
     ALGORITHMS,
     PRUNERS,
@@ -43,6 +44,8 @@ JOB_ATTR, OUTPUT_ATTR, STEPS_ATTR = "kubejax_job", "kubejax_output", "kubejax_st
 WORKERS_ATTR, START_ATTR, END_ATTR = "kubejax_workers", "kubejax_start", "kubejax_end"
 #: A trial asked of Optuna but never started (it waited for workers when its sweep died).
 NOT_STARTED_ATTR = "kubejax_not_started"
+#: Why a trial was pruned before it started (its settings do not fit the devices).
+SKIPPED_ATTR = "kubejax_skipped"
 _STATE_NAMES = {
     optuna.trial.TrialState.COMPLETE: "complete",
     optuna.trial.TrialState.PRUNED: "pruned",
@@ -238,7 +241,11 @@ class Controller:
                 name = job_name(
                     self.cfg.study_name, str(trial.number), prefix=f"trial-{trial.number}"
                 )
-                spec = self.trial_spec(trial.number, params, out_dir, name)
+                try:
+                    spec = self.trial_spec(trial.number, params, out_dir, name)
+                except InfeasibleError as err:
+                    self.skip(trial, params, str(err))
+                    continue
                 self.pending = (trial, params, spec, out_dir)
             trial, params, spec, out_dir = self.pending
             budget = self.cfg.max_workers
@@ -246,6 +253,23 @@ class Controller:
                 return
             self.pending = None
             self.start(trial, params, spec, out_dir)
+
+    def skip(self, trial: optuna.Trial, params: dict, reason: str) -> None:
+        """A trial whose settings the devices cannot run (`InfeasibleError`: the mesh, the
+        memory plan): pruned before any job, its reason in the log line, in Optuna and in an
+        MLflow run of its own; not a failure (the budget of failed trials stays whole)."""
+        first = reason.splitlines()[0]
+        trial.set_user_attr(NOT_STARTED_ATTR, True)
+        trial.set_user_attr(SKIPPED_ATTR, first)
+        trial.set_user_attr(STEPS_ATTR, 0)
+        self.study.tell(trial, state=optuna.trial.TrialState.PRUNED)
+        self.tracker.skipped_run(
+            f"trial-{trial.number}",
+            params,
+            {"kubejax.trial": str(trial.number), "kubejax.trial_state": "pruned",
+             "kubejax.skipped": reason[:5000]},
+        )  # fmt: skip
+        self.log(f"sweep: trial {trial.number} pruned before it started: {first}; {params}")
 
     def start(self, trial: optuna.Trial, params: dict, spec: JAXJobSpec, out_dir: str) -> None:
         """Create a trial's job and follow it."""
@@ -336,11 +360,13 @@ class Controller:
         )
 
     def result(self) -> SweepResult:
-        """Every trial that ran, with its record, and the best one; an error if none completed."""
+        """Every trial that ran or was skipped, with its record, and the best one; an error if
+        none completed."""
         trials = [
             _record(t)
             for t in self.study.get_trials(deepcopy=False)
-            if t.state in _STATE_NAMES and not t.user_attrs.get(NOT_STARTED_ATTR)
+            if t.state in _STATE_NAMES
+            and (not t.user_attrs.get(NOT_STARTED_ATTR) or t.user_attrs.get(SKIPPED_ATTR))
         ]
         if not any(t["state"] == "complete" for t in trials):
             raise SweepError("max_trials: no trial completed; see the trials' errors above")
@@ -365,6 +391,7 @@ def _record(t: optuna.trial.FrozenTrial) -> dict:
         "start": start,
         "end": end,
         "worker_seconds": None if seconds is None else round(workers * seconds, 2),
+        **({"skipped": t.user_attrs[SKIPPED_ATTR]} if SKIPPED_ATTR in t.user_attrs else {}),
     }
 
 

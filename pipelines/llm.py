@@ -1,0 +1,208 @@
+"""The LLM pipeline: a decoder fine-tuned with LoRA, tuned first.
+
+prepare → tune sweep (learning rate, LoRA rank and alpha; trials the memory plan says cannot
+fit are skipped) → train with the best settings (LoRA on a frozen base, sharded over the
+workers' GPUs) → evaluate → register the merged model. The same components as the Yelp
+pipelines: a pipeline of its own because every default differs (a decoder base, the task
+causal-lm, LoRA, bfloat16 weights, GPU workers with an FSDP mesh, a search space over what
+matters for adapters), and a user of the BERT pipeline should not meet a dozen settings that do
+nothing for BERT. Defaults suit a cluster; `kubejax run --local --profile llm` overrides them for
+this machine.
+"""
+
+import json
+
+from kfp import dsl
+from kubejax.pipelines.yelp import (
+    ANY_NODE,
+    NO_TOLERATIONS,
+    WORKSPACE,
+    _prepare,
+    _register,
+    _sweep,
+    _train_and_evaluate,
+)
+
+from kubejax.version import IMAGE
+
+LLM_SPACE = json.dumps(
+    {
+        "learning_rate": {"type": "float", "low": 5e-5, "high": 5e-4, "log": True},
+        "lora_rank": {"type": "categorical", "choices": [8, 16, 32]},
+        "lora_alpha": {"type": "categorical", "choices": [16, 32, 64]},
+    }
+)
+#: bfloat16 weights and compute; the adapters and their moments stay float32.
+LLM_TRIAL_HP = {
+    "max_steps": 300,
+    "eval_every": 100,
+    "global_batch_size": 16,
+    "max_eval_examples": 1000,
+    "dtype": "bfloat16",
+    "param_dtype": "bfloat16",
+}
+LLM_TRAIN_HP = {
+    "epochs": 1,
+    "global_batch_size": 32,
+    "learning_rate": 2e-4,
+    "eval_every": 1000,
+    "checkpoint_every": 1000,
+    "max_eval_examples": 2000,
+    "dtype": "bfloat16",
+    "param_dtype": "bfloat16",
+}
+
+
+@dsl.pipeline(
+    name="kubejax-llm",
+    description="Fine-tune a decoder LLM (Llama, Mistral, Qwen, Gemma 3) with LoRA on Yelp "
+    "reviews: prepare, tune (rank, alpha, learning rate), train sharded over GPU workers, "
+    "evaluate, register the merged model with its PEFT adapter.",
+    pipeline_config=WORKSPACE,
+)
+def llm_pipeline(
+    source: str = "Yelp/yelp_review_full",
+    base_model: str = "Qwen/Qwen2.5-1.5B",
+    text_column: str = "text",
+    label_column: str = "label",
+    max_length: int = 256,
+    task: str = "causal-lm",
+    prompt_template: str = "",
+    max_train_samples: int = 0,
+    max_validation_samples: int = 10000,
+    max_test_samples: int = 0,
+    peft: str = "lora",
+    lora_rank: int = 16,
+    lora_alpha: float = 32.0,
+    lora_targets: str = "attention",
+    search_space: str = LLM_SPACE,
+    algorithm: str = "tpe",
+    objective: str = "eval_accuracy",
+    direction: str = "maximize",
+    max_trials: int = 8,
+    parallelism: int = 2,
+    max_workers: int = 0,
+    pruner: str = "median",
+    trial_hyperparameters: dict = LLM_TRIAL_HP,
+    trial_replicas: int = 1,
+    trial_gpus_per_worker: int = 1,
+    trial_mesh: str = "",
+    train_hyperparameters: dict = LLM_TRAIN_HP,
+    replicas: int = 2,
+    gpus_per_worker: int = 4,
+    mesh: str = "fsdp=-1",
+    worker_node_selector: dict = ANY_NODE,
+    worker_tolerations: list = NO_TOLERATIONS,
+    image: str = IMAGE,
+    backend: str = "auto",
+    timeout_seconds: int = 86400,
+    mlflow_tracking_uri: str = "",
+    mlflow_experiment: str = "kubejax-llm",
+    register_threshold: float = 0.5,
+    registered_model_name: str = "kubejax-llm",
+    seed: int = 0,
+):
+    """Prepare → tune sweep → train with LoRA and the best settings → evaluate → register.
+
+    Args:
+        source: Hub dataset id, or a file/folder/URI of reviews (csv, tsv, json, jsonl, parquet).
+        base_model: HF hub id or folder of a decoder (Llama 3, Mistral, Qwen 2.5/3, Gemma 3),
+            also the tokenizer; gated models read the `hf-token` secret.
+        text_column: Column with the review text.
+        label_column: Column with the stars / label.
+        max_length: Token truncation length.
+        task: causal-lm (the decoder writes each review's label after `prompt_template`) or
+            classification (a `score` head on the last token, trained whole).
+        prompt_template: causal-lm: the prompt, with {review} where the review goes; empty:
+            kubejax's default ("Review: {review}", then "Rating:" on the next line).
+        max_train_samples: Stratified cap on train rows (0: all).
+        max_validation_samples: Stratified cap on validation rows (0: all).
+        max_test_samples: Stratified cap on test rows (0: all).
+        peft: lora (adapters on the frozen base) or none (full fine-tuning).
+        lora_rank: The adapters' rank (a searched lora_rank wins).
+        lora_alpha: The adapters' scale is lora_alpha / lora_rank (a searched one wins).
+        lora_targets: Projections adapted: attention, mlp, all, or names (q_proj,v_proj).
+        search_space: JSON search space over trainer settings (learning_rate, lora_rank,
+            lora_alpha, lora_targets, optimizer, ...) and resources (`replicas`,
+            `devices_per_worker`); trials whose memory plan does not fit are skipped.
+        algorithm: grid, random, tpe or cmaes.
+        objective: eval_accuracy or eval_loss.
+        direction: maximize (eval_accuracy) or minimize (eval_loss).
+        max_trials: Trials in the sweep.
+        parallelism: Trials at once.
+        max_workers: Workers the running trials may use together; 0: no limit.
+        pruner: none, median, successive_halving or hyperband.
+        trial_hyperparameters: Fixed trainer settings of every trial (`device_memory`, e.g.
+            "80GiB", makes the plan check trials where the GPU type is not labelled).
+        trial_replicas: Workers per trial (unless searched).
+        trial_gpus_per_worker: nvidia.com/gpu limit of each trial worker.
+        trial_mesh: Device mesh of every trial (see mesh).
+        train_hyperparameters: Trainer settings of the final training (the best params win).
+        replicas: Workers of the final training.
+        gpus_per_worker: nvidia.com/gpu limit of each worker of the final training.
+        mesh: Device mesh of the final training over replicas × gpus_per_worker devices;
+            "fsdp=-1" shards the frozen base over all of them.
+        worker_node_selector: Node labels every worker pod requires (a GPU pool's; its
+            `nvidia.com/gpu.product` gives the memory plan the GPU's memory).
+        worker_tolerations: Tolerations of every worker pod.
+        image: The kubejax image of every step and worker.
+        backend: auto, trainjob, jaxjob, kubernetes or local.
+        timeout_seconds: Limit of the final training job.
+        mlflow_tracking_uri: MLflow tracking URI (credentials come from the secret).
+        mlflow_experiment: MLflow experiment of this pipeline's runs.
+        register_threshold: Register the merged model when test accuracy reaches this.
+        registered_model_name: Name in the MLflow Model Registry.
+        seed: Seed of the splits, the sweep and the adapters' initialisation.
+    """
+    prep = _prepare(
+        base_model,
+        source=source,
+        text_column=text_column,
+        label_column=label_column,
+        max_length=max_length,
+        task=task,
+        prompt_template=prompt_template,
+        max_train_samples=max_train_samples,
+        max_validation_samples=max_validation_samples,
+        max_test_samples=max_test_samples,
+        seed=seed,
+    )
+    adapters = {"peft": peft, "lora_rank": lora_rank, "lora_alpha": lora_alpha,
+                "lora_targets": lora_targets}  # fmt: skip
+    placement = {"worker_node_selector": worker_node_selector,
+                 "worker_tolerations": worker_tolerations}  # fmt: skip
+    common = {"base_model": base_model, "image": image, "backend": backend,
+              "mlflow_tracking_uri": mlflow_tracking_uri,
+              "mlflow_experiment": mlflow_experiment}  # fmt: skip
+    sweep = _sweep(
+        prep.outputs["dataset"],
+        trial_gpus_per_worker=trial_gpus_per_worker,
+        **placement,
+        **common,
+        **adapters,
+        search_space=search_space,
+        hyperparameters=trial_hyperparameters,
+        objective=objective,
+        direction=direction,
+        algorithm=algorithm,
+        max_trials=max_trials,
+        parallelism=parallelism,
+        max_workers=max_workers,
+        pruner=pruner,
+        seed=seed,
+        replicas=trial_replicas,
+        mesh=trial_mesh,
+    )
+    evaluated = _train_and_evaluate(
+        prep.outputs["dataset"],
+        **placement,
+        **common,
+        **adapters,
+        hyperparameters=train_hyperparameters,
+        best_params=sweep.outputs["best_params"],
+        replicas=replicas,
+        mesh=mesh,
+        gpus_per_worker=gpus_per_worker,
+        timeout_seconds=timeout_seconds,
+    )
+    _register(evaluated, register_threshold, registered_model_name, mlflow_tracking_uri)

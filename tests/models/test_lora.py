@@ -1,0 +1,136 @@
+"""LoRA: adapters on every decoder family that PEFT loads onto transformers' model with our
+logits, the merged model transformers loads alone, the trainer training the adapters (and a
+classifier's head) only, and LoRA settings refused naming what exists."""
+
+from __future__ import annotations
+
+import json
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+import torch
+from flax import nnx
+
+from kubejax.models import lora, weights
+from kubejax.trainer import plan
+from kubejax.trainer.config import TrainConfig
+from kubejax.trainer.train import main
+from tests.helpers import assert_close_to_scale, tiny_args
+from tests.models.decoders import TINY, save_tiny
+
+
+def _adapted(folder, head: str):
+    """Our model of `folder` with rank-4 adapters on every projection, trained-looking: B
+    random (a fresh B is zero) and, for a classifier, the head moved."""
+    cfg = weights.load_config(folder)
+    model, _ = weights.from_checkpoint(folder, cfg, head, 3, jnp.float32)
+    adapted = lora.apply(model, rank=4, alpha=8.0, targets="all")
+    assert len(adapted) == 7 * cfg.num_hidden_layers
+    for i, layer in enumerate(lora.adapters(model).values()):
+        b = jax.random.normal(jax.random.key(i), layer.lora_b.shape) * 0.05
+        layer.lora_b = nnx.LoRAParam(b)
+    if head == "classification":
+        model.score.kernel = nnx.Param(model.score.kernel[...] + 0.3)
+    return model
+
+
+@pytest.mark.parametrize("head", ["classification", "causal-lm"])
+@pytest.mark.parametrize("family", list(TINY))
+def test_peft_loads_our_adapter_with_our_logits_and_the_merged_model_alone(tmp_path, family, head):
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification
+
+    ref = save_tiny(family, tmp_path / "base", head=head)
+    model = _adapted(tmp_path / "base", head)
+    lora.save_adapter(model, tmp_path / "adapter", str(tmp_path / "base"))
+    config = json.loads((tmp_path / "adapter" / "adapter_config.json").read_text())
+    assert config["task_type"] == ("SEQ_CLS" if head == "classification" else "CAUSAL_LM")
+    assert config["r"] == 4 and config["lora_alpha"] == 8.0
+    peft_model = PeftModel.from_pretrained(ref, str(tmp_path / "adapter"), adapter_name="first")
+    # Loaded again by name, to read what matched: every adapter key, nothing left over.
+    result = peft_model.load_adapter(str(tmp_path / "adapter"), adapter_name="ours")
+    assert result.unexpected_keys == []
+    assert [k for k in result.missing_keys if "lora_" in k or "ours" in k] == []
+    peft_model.set_adapter("ours")
+    ids = np.random.default_rng(0).integers(1, 300, (2, 12))
+    mask = np.ones_like(ids)
+    mask[1, 9:] = 0
+    ids[mask == 0] = 0  # the pad id: transformers' classifier finds the last token by it
+    args = {"input_ids": torch.tensor(ids), "attention_mask": torch.tensor(mask)}
+    ours = np.asarray(model(ids, mask))
+    with torch.no_grad():
+        expected = peft_model(**args).logits.numpy()
+    real = mask.astype(bool) if head == "causal-lm" else slice(None)
+    assert_close_to_scale(ours[real], expected[real], 1e-4, f"{family} {head} with the adapter")
+
+    lora.merge(model)
+    assert lora.adapters(model) == {}
+    weights.save_model_dir(model, tmp_path / "merged", ["a", "b", "c"], None, max_length=32)
+    auto = AutoModelForSequenceClassification if head == "classification" else AutoModelForCausalLM
+    merged = auto.from_pretrained(str(tmp_path / "merged")).eval()
+    with torch.no_grad():
+        alone = merged(**args).logits.numpy()
+    assert_close_to_scale(alone[real], expected[real], 1e-4, f"{family} {head} merged")
+
+
+def test_lora_settings_that_cannot_apply_are_refused_naming_what_exists(tmp_path):
+    save_tiny("llama", tmp_path / "base")
+    cfg = weights.load_config(tmp_path / "base")
+    model, _ = weights.from_checkpoint(tmp_path / "base", cfg, "causal-lm", 0, jnp.float32)
+    with pytest.raises(lora.LoraError, match="lora_rank: must be at least 1, got 0"):
+        lora.apply(model, 0, 8.0, "attention")
+    with pytest.raises(lora.LoraError) as err:
+        lora.apply(model, 4, 8.0, "q_proj,query")
+    assert str(err.value) == (
+        "lora_targets: query matches no module of the model; its projections are down_proj, "
+        "gate_proj, k_proj, o_proj, q_proj, up_proj, v_proj (groups: attention, mlp, all)"
+    )
+    with pytest.raises(lora.LoraError, match="peft: the model has no LoRA adapter to export"):
+        lora.save_adapter(model, tmp_path / "adapter", "base")
+    assert lora.target_names("attention,gate_proj") == (
+        "q_proj", "k_proj", "v_proj", "o_proj", "gate_proj"
+    )  # fmt: skip
+
+
+def test_trainer_trains_the_adapters_and_head_only(tiny_decoder_dir, prepared_decoder, tmp_path):
+    """peft=lora: the loss falls, the base's weights are the checkpoint's (the merged model
+    differs from the base only by each adapter's A·B·scale), the optimizer state holds the
+    adapters' and the head's moments only, and the model folder holds the PEFT adapter."""
+    from safetensors.numpy import load_file
+
+    out = tmp_path / "out"
+    settings = {"peft": "lora", "lora_rank": 4, "lora_alpha": 16, "max_steps": 16,
+                "global_batch_size": 16, "learning_rate": 1e-2}  # fmt: skip
+    assert main(tiny_args(tiny_decoder_dir, prepared_decoder, out, **settings)) == 0
+    metrics = json.loads((out / "metrics.json").read_text())
+    losses = [row["loss"] for row in metrics["train"]]
+    assert np.mean(losses[-4:]) < np.mean(losses[:4]), losses
+    adapter = load_file(out / "model" / "adapter" / "adapter_model.safetensors")
+    config = json.loads((out / "model" / "adapter" / "adapter_config.json").read_text())
+    assert config["target_modules"] == ["k_proj", "o_proj", "q_proj", "v_proj"]
+    assert config["modules_to_save"] == ["score"] and config["r"] == 4
+    base, merged = (
+        load_file(tiny_decoder_dir / "model.safetensors"),
+        load_file(out / "model" / "model.safetensors"),
+    )
+    for name, value in base.items():
+        if "_proj.weight" in name and "mlp" not in name:  # adapted: W + (A·B·scale)ᵀ
+            stem = f"base_model.model.{name.removesuffix('.weight')}"
+            a, b = adapter[f"{stem}.lora_A.weight"], adapter[f"{stem}.lora_B.weight"]
+            assert np.abs(b).max() > 0, name  # trained away from zero
+            expected = value + (b @ a) * (16 / 4)
+        else:
+            expected = value
+        assert np.abs(merged[name] - expected).max() <= 1e-5 * np.abs(expected).max(), name
+    trained = sum(v.size for v in adapter.values())
+    assert metrics["final"]["trainable_params"] == trained
+    # AdamW's two float32 moments of what trains, and a few scalars (counts, hyperparameters);
+    # the memory plan counts the same moments.
+    measured = metrics["final"]["optimizer_state_bytes"]
+    assert 8 * trained <= measured <= 8 * trained + 64
+    cfg = TrainConfig(model=str(tiny_decoder_dir), data_dir="-", output_dir="-", peft="lora",
+                      lora_rank=4, global_batch_size=16, max_length=64)  # fmt: skip
+    planned = plan.plan_memory(cfg, weights.load_config(tiny_decoder_dir), 5, 1)
+    assert planned.optimizer == 8 * trained and planned.grads == 4 * trained
