@@ -74,13 +74,14 @@ def _peak_rss_gb() -> float:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20
 
 
-def ours(batch: int, length: int, steps: int, warmup: int) -> dict:
-    """Our trainer's step (`steps.make_train_step`, the trainer's optimizer) on one batch."""
+def ours(batch: int, length: int, steps: int, warmup: int, lora_rank: int = 0) -> dict:
+    """Our trainer's step (`steps.make_train_step`, the trainer's optimizer) on one batch; with
+    `lora_rank`, LoRA on the attention projections (alpha 2 × rank), the base frozen."""
     import jax
     import numpy as np
     from flax import nnx
 
-    from kubejax.models import decoder_weights
+    from kubejax.models import decoder_weights, lora
     from kubejax.models.decoder import DecoderConfig
     from kubejax.trainer import distributed
     from kubejax.trainer.config import TrainConfig
@@ -89,12 +90,19 @@ def ours(batch: int, length: int, steps: int, warmup: int) -> dict:
 
     cfg = DecoderConfig.from_dict(QWEN25_05B)
     model = decoder_weights.build(cfg, "classification", LABELS)
-    graphdef, params = nnx.split(model)
     tx = make_optimizer(TrainConfig(model="scratch", data_dir="-", output_dir="-"))
     mesh = distributed.data_mesh()
+    full_state = jax.eval_shape(tx.init, nnx.state(model))  # full fine-tuning's, for scale
+    frozen, sparse = None, model.sparse_embedding
+    if lora_rank:
+        lora.apply(model, lora_rank, 2.0 * lora_rank, "attention")
+        graphdef, params, frozen = nnx.split(model, lora.trainable(model), ...)
+        frozen, sparse = distributed.replicate(frozen, mesh), None
+    else:
+        graphdef, params = nnx.split(model)
     params = distributed.replicate(params, mesh)
     opt_state = jax.jit(tx.init)(params)
-    step = make_train_step(graphdef, tx, mesh, 0, model.sparse_embedding)
+    step = make_train_step(graphdef, tx, mesh, 0, sparse, None, frozen)
     ids, mask, labels = _batch(batch, length)
     data = distributed.global_batch(
         {"input_ids": ids[None], "attention_mask": mask[None], "labels": labels[None]},
@@ -107,11 +115,19 @@ def ours(batch: int, length: int, steps: int, warmup: int) -> dict:
         params, opt_state, metrics = step(params, opt_state, data, i, np.float32(1e-5))
         jax.block_until_ready(metrics["loss"])
         times.append(time.perf_counter() - t)
-    return {"step_s": statistics.median(times[warmup:]), "peak_rss_gb": _peak_rss_gb()}
+    return {
+        "step_s": statistics.median(times[warmup:]),
+        "peak_rss_gb": _peak_rss_gb(),
+        "optimizer_state_bytes": sum(x.nbytes for x in jax.tree.leaves(opt_state)),
+        "full_optimizer_state_bytes": sum(
+            x.size * x.dtype.itemsize for x in jax.tree.leaves(full_state)
+        ),
+    }
 
 
-def torch_peer(batch: int, length: int, steps: int, warmup: int) -> dict:
-    """transformers' Qwen2ForSequenceClassification + torch eager, AdamW, the same batch."""
+def torch_peer(batch: int, length: int, steps: int, warmup: int, lora_rank: int = 0) -> dict:
+    """transformers' Qwen2ForSequenceClassification + torch eager, AdamW, the same batch; with
+    `lora_rank`, PEFT's LoRA on the same projections (its `score` in modules_to_save)."""
     import torch
     from transformers import AutoConfig, AutoModelForSequenceClassification
 
@@ -120,7 +136,15 @@ def torch_peer(batch: int, length: int, steps: int, warmup: int) -> dict:
     cfg = AutoConfig.for_model(**QWEN25_05B, num_labels=LABELS)
     cfg._attn_implementation = "eager"
     model = AutoModelForSequenceClassification.from_config(cfg).train()
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-5, weight_decay=0.01)
+    if lora_rank:
+        from peft import LoraConfig, get_peft_model
+
+        targets = ["q_proj", "k_proj", "v_proj", "o_proj"]
+        adapters = LoraConfig(r=lora_rank, lora_alpha=2 * lora_rank, target_modules=targets,
+                              task_type="SEQ_CLS", lora_dropout=0.0)  # fmt: skip
+        model = get_peft_model(model, adapters)
+    trained = [p for p in model.parameters() if p.requires_grad]
+    opt = torch.optim.AdamW(trained, lr=1e-5, weight_decay=0.01)
     ids, mask, labels = (torch.tensor(x).long() for x in _batch(batch, length))
     times = []
     for _ in range(warmup + steps):
@@ -128,10 +152,15 @@ def torch_peer(batch: int, length: int, steps: int, warmup: int) -> dict:
         loss = model(input_ids=ids, attention_mask=mask, labels=labels).loss
         opt.zero_grad()
         loss.backward()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        torch.nn.utils.clip_grad_norm_(trained, 1.0)
         opt.step()
         times.append(time.perf_counter() - t)
-    return {"step_s": statistics.median(times[warmup:]), "peak_rss_gb": _peak_rss_gb()}
+    state = [v for s in opt.state.values() for v in s.values() if torch.is_tensor(v)]
+    return {
+        "step_s": statistics.median(times[warmup:]),
+        "peak_rss_gb": _peak_rss_gb(),
+        "optimizer_state_bytes": sum(v.numel() * v.element_size() for v in state),
+    }
 
 
 def make_checkpoint(folder: Path) -> dict:
@@ -259,9 +288,10 @@ def largest_under_cap(cap: str = "1GiB", batch: int = 2, steps: int = 3) -> dict
     `batch` rows of 128 tokens a step."""
     import jax
 
+    from kubejax.errors import InfeasibleError
     from kubejax.models.weights import scratch_config
     from kubejax.trainer import plan
-    from kubejax.trainer.config import ConfigError, TrainConfig
+    from kubejax.trainer.config import TrainConfig
 
     def planned(layers: int, mesh: str, **more) -> tuple[TrainConfig, plan.MemoryPlan]:
         text = json.dumps({**WIDE, "num_hidden_layers": layers})
@@ -277,15 +307,15 @@ def largest_under_cap(cap: str = "1GiB", batch: int = 2, steps: int = 3) -> dict
     try:  # what the trainer and the launcher say of the replicated run
         plan.check_fits(planned(layers, "")[0], model_cfg, 5, 2, plan.parse_bytes(cap))
         refusal = ""
-    except ConfigError as err:
-        refusal = str(err).splitlines()[0]
+    except InfeasibleError as err:
+        refusal = str(err)
     params = sum(
         x.size for x in jax.tree.leaves(plan.abstract_params(model_cfg, "classification", 5))
     )
     job = _two_worker_jobs(
         "kubejax-bench-cap-",
         dict(scratch_config=cfg.scratch_config, max_steps=steps, global_batch_size=batch,
-             max_eval_examples=batch, save_final=False),
+             max_eval_examples=batch),
     )  # fmt: skip
     fsdp, fsdp_workers = job("cap-fsdp", "fsdp=2", device_memory=cap)
     _, dp_workers = job("cap-replicated", "")
@@ -332,6 +362,29 @@ def measure(steps: int = 3, batch: int = 8, length: int = 256, warmup: int = 1) 
     }
 
 
+def lora_vs_peft(steps: int = 3, batch: int = 8, length: int = 256, warmup: int = 1) -> dict:
+    """LoRA fine-tuning of the Qwen2.5-0.5B shape (rank 16 on the attention projections,
+    alpha 32, the classifier's head trained whole), ours against transformers + PEFT + torch
+    eager on the same shape, batch and optimizer, each in a process of its own; and the
+    optimizer state's bytes of LoRA against full fine-tuning."""
+    here = str(Path(__file__))
+    common = ["--steps", str(steps), "--batch", str(batch), "--length", str(length)]
+    common += ["--warmup", str(warmup), "--lora-rank", "16"]
+    mine = run_json([here, "--side", "ours", *common], trainer_env())
+    peer = run_json([here, "--side", "torch", *common])
+    tokens = batch * length
+    return {
+        "lora_train_tokens_per_s": round(tokens / mine["step_s"], 1),
+        "lora_peer_tokens_per_s": round(tokens / peer["step_s"], 1),
+        "lora_vs_peft_ratio": round(peer["step_s"] / mine["step_s"], 3),
+        "lora_optimizer_state_mb": round(mine["optimizer_state_bytes"] / 2**20, 2),
+        "lora_peer_optimizer_state_mb": round(peer["optimizer_state_bytes"] / 2**20, 2),
+        "full_optimizer_state_mb": round(mine["full_optimizer_state_bytes"] / 2**20, 1),
+        "lora_peak_rss_gb": round(mine["peak_rss_gb"], 2),
+        "lora_peer_peak_rss_gb": round(peer["peak_rss_gb"], 2),
+    }
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--side", choices=["ours", "torch", "checkpoint", "load"])
@@ -340,11 +393,12 @@ def main() -> None:
     p.add_argument("--warmup", type=int, default=1)
     p.add_argument("--batch", type=int, default=8)
     p.add_argument("--length", type=int, default=256)
+    p.add_argument("--lora-rank", type=int, default=0, help="ours/torch: LoRA of this rank")
     a = p.parse_args()
     if a.side == "ours":
-        print(json.dumps(ours(a.batch, a.length, a.steps, a.warmup)))
+        print(json.dumps(ours(a.batch, a.length, a.steps, a.warmup, a.lora_rank)))
     elif a.side == "torch":
-        print(json.dumps(torch_peer(a.batch, a.length, a.steps, a.warmup)))
+        print(json.dumps(torch_peer(a.batch, a.length, a.steps, a.warmup, a.lora_rank)))
     elif a.side == "checkpoint":
         print(json.dumps(make_checkpoint(a.folder)))
     elif a.side == "load":

@@ -41,6 +41,7 @@ TARGETS = {
     "decoder_mfu": (">=", 0.5),
     # Issue #44: FSDP at most 15 % slower than data parallelism for a model that fits both.
     "fsdp_vs_dp_ratio": (">=", 0.85),
+    "lora_vs_peft_ratio": (">=", 1.3),
 }
 #: Each figure's peer measured in the same run.
 PEERS = {
@@ -57,6 +58,8 @@ PEERS = {
     "decoder_mfu": "decoder_peer_mfu",
     "decoder_train_peak_rss_gb": "decoder_train_peer_peak_rss_gb",
     "fsdp_examples_per_s": "fsdp_dp_examples_per_s",
+    "lora_train_tokens_per_s": "lora_peer_tokens_per_s",
+    "lora_optimizer_state_mb": "full_optimizer_state_mb",
 }
 BENCHMARKS = {
     "train": bench_train.measure,
@@ -67,6 +70,7 @@ BENCHMARKS = {
     "decoder": bench_decoder.measure,
     "fsdp": bench_decoder.fsdp_vs_dp,
     "fsdp_cap": bench_decoder.largest_under_cap,
+    "lora": bench_decoder.lora_vs_peft,
 }
 
 

@@ -64,8 +64,9 @@ def train(
             the job starts.
         devices_per_worker: GPUs of each worker pod (its nvidia.com/gpu limit); 0: as the
             task's resources say (one CPU device a worker without GPUs).
-        peft: none (full fine-tuning) or lora (adapters on a frozen decoder; the model is the
-            merged one, its PEFT adapter in the folder's `adapter/`); empty: hyperparameters'.
+        peft: none (full fine-tuning), lora (adapters on a frozen decoder; the model is the
+            merged one, its PEFT adapter in the folder's `adapter/`) or qlora (LoRA on a base
+            stored quantized, `weight_qtype` nf4 or int8); empty: hyperparameters'.
         lora_rank: LoRA's rank (0: hyperparameters' or 16).
         lora_alpha: LoRA's alpha, the adapters' scale being alpha / rank (0: 32).
         lora_targets: Projections adapted: attention, mlp, all or names (empty: attention).

@@ -118,7 +118,8 @@ def llm_pipeline(
         max_train_samples: Stratified cap on train rows (0: all).
         max_validation_samples: Stratified cap on validation rows (0: all).
         max_test_samples: Stratified cap on test rows (0: all).
-        peft: lora (adapters on the frozen base) or none (full fine-tuning).
+        peft: lora (adapters on the frozen base), qlora (the same on a base stored as nf4 or
+            int8 codes: `weight_qtype` in the hyperparameters) or none (full fine-tuning).
         lora_rank: The adapters' rank (a searched lora_rank wins).
         lora_alpha: The adapters' scale is lora_alpha / lora_rank (a searched one wins).
         lora_targets: Projections adapted: attention, mlp, all, or names (q_proj,v_proj).

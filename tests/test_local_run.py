@@ -54,7 +54,9 @@ def test_budget_line_says_what_applies(tmp_path):
     quick = describe_budget("quick", embedded_params(tmp_path, "quick"))
     assert "final training 1 epoch(s)" in quick and "validation ≤ 1000 rows" in quick
     assert "every row of every split" in describe_budget("full", embedded_params(tmp_path, "full"))
-    assert set(PROFILES) == {"demo", "quick", "full"}
+    llm = describe_budget("llm", embedded_params(tmp_path, "llm"))
+    assert llm.startswith("budget: profile llm: max_length 64; 2 trials × 12 steps")
+    assert set(PROFILES) == {"demo", "quick", "full", "llm"}
 
 
 KFP_LINES = """\

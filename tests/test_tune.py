@@ -550,7 +550,7 @@ def test_trials_the_devices_cannot_run_are_pruned_before_they_start(client, tmp_
     """A point whose memory plan does not fit (`InfeasibleError` from the trial's spec) is
     pruned without a job, its reason in the trial's line and record; the failure budget stays
     whole (max_failed_trials 0) and the other points run."""
-    from kubejax.trainer.config import InfeasibleError
+    from kubejax.errors import InfeasibleError
 
     runs = factory(steps=2)
 
@@ -573,7 +573,7 @@ def test_trials_the_devices_cannot_run_are_pruned_before_they_start(client, tmp_
 def test_a_space_none_of_whose_points_fits_the_devices_is_refused(tmp_path):
     """Before any job or MLflow run: even the point with the most resources needs more memory
     than the device has."""
-    from kubejax.trainer.config import InfeasibleError
+    from kubejax.errors import InfeasibleError
 
     scratch = json.dumps(
         {"model_type": "llama", "hidden_size": 256, "intermediate_size": 512,

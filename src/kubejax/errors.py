@@ -5,3 +5,9 @@ command line prints it as one line and exits with status 2, without a traceback.
 
 class KubejaxError(Exception):
     """Bad input or a missing prerequisite; the message names the setting."""
+
+
+class InfeasibleError(KubejaxError, ValueError):
+    """Settings the job's devices cannot run: a mesh they do not make, a memory plan over the
+    device's memory (`kubejax.trainer.plan`). A sweep skips such a trial (pruned) instead of
+    failing it."""

@@ -134,3 +134,50 @@ def test_trainer_trains_the_adapters_and_head_only(tiny_decoder_dir, prepared_de
                       lora_rank=4, global_batch_size=16, max_length=64)  # fmt: skip
     planned = plan.plan_memory(cfg, weights.load_config(tiny_decoder_dir), 5, 1)
     assert planned.optimizer == 8 * trained and planned.grads == 4 * trained
+
+
+@pytest.mark.parametrize("qtype", ["int8", "nf4"])
+def test_quantized_kernels_come_back_within_their_step(qtype):
+    """Each value returns within half a step of its code: absmax/254 for int8, half the
+    widest gap between NF4 levels (0.152 of the block's absmax) for nf4."""
+    from kubejax.models.quantize import NF4, dequantize_kernel, quantize_kernel
+
+    w = np.random.default_rng(0).normal(0, 0.02, (96, 40)).astype(np.float32)
+    codes, scale = quantize_kernel(w, qtype)
+    assert codes.shape == ((96, 40) if qtype == "int8" else (48, 40)) and scale.shape == (3, 40)
+    back = np.asarray(dequantize_kernel(jnp.asarray(codes), jnp.asarray(scale), qtype))
+    absmax = np.repeat(scale, 32, axis=0)
+    step = 1 / 254 if qtype == "int8" else np.diff(NF4).max() / 2
+    assert np.all(np.abs(back - w) <= step * absmax + 1e-7)
+
+
+def test_qlora_trains_like_lora_on_a_quantized_base(tiny_decoder_dir, prepared_decoder, tmp_path):
+    """peft=qlora: the projections stored as int8 or nf4 codes (the frozen base's bytes, as
+    measured and as planned, below LoRA's float32), the losses near LoRA's on the same run
+    settings, and the merged (dequantized + adapters) model exported in float32."""
+    settings = {"lora_rank": 4, "max_steps": 8, "global_batch_size": 16,
+                "learning_rate": 3e-3, "save_final": True}  # fmt: skip
+    runs = {"lora": {"peft": "lora"}, "int8": {"peft": "qlora", "weight_qtype": "int8"},
+            "nf4": {"peft": "qlora", "weight_qtype": "nf4"}}  # fmt: skip
+    finals, losses = {}, {}
+    for name, peft in runs.items():
+        out = tmp_path / name
+        assert main(tiny_args(tiny_decoder_dir, prepared_decoder, out, **settings, **peft)) == 0
+        metrics = json.loads((out / "metrics.json").read_text())
+        finals[name] = metrics["final"]
+        losses[name] = np.array([row["loss"] for row in metrics["train"]])
+        cfg = TrainConfig(model=str(tiny_decoder_dir), data_dir="-", output_dir="-",
+                          lora_rank=4, global_batch_size=16, max_length=64, **peft)  # fmt: skip
+        planned = plan.plan_memory(cfg, weights.load_config(tiny_decoder_dir), 5, 1)
+        measured = finals[name]["frozen_params_bytes"] + 4 * finals[name]["trainable_params"]
+        assert planned.params == measured, name
+    frozen = {name: final["frozen_params_bytes"] for name, final in finals.items()}
+    assert frozen["nf4"] < frozen["int8"] < frozen["lora"], frozen
+    # The first step sees the quantization alone (every adapter starts at zero); the run then
+    # follows LoRA's (the steps after differ as two trainings on nearby weights do).
+    for name, first in (("int8", 2e-3), ("nf4", 2e-2)):
+        assert abs(losses[name][0] / losses["lora"][0] - 1) <= first, (name, losses)
+        assert abs(losses[name].mean() / losses["lora"].mean() - 1) <= 0.05, (name, losses)
+    config = json.loads((tmp_path / "nf4" / "model" / "config.json").read_text())
+    assert config["torch_dtype"] == "float32"
+    assert (tmp_path / "nf4" / "model" / "adapter" / "adapter_model.safetensors").is_file()

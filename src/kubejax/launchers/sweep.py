@@ -12,6 +12,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from kubejax import report, tracking
+from kubejax.errors import InfeasibleError
 from kubejax.jobs.client import JAXJobClient
 from kubejax.jobs.spec import JAXJobSpec, job_name
 from kubejax.launchers.common import (
@@ -27,7 +28,6 @@ from kubejax.launchers.common import (
     with_settings,
     worker_env,
 )
-from kubejax.trainer.config import InfeasibleError
 from kubejax.tune.controller import (
     SweepConfig,
     SweepResult,

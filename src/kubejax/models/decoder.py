@@ -31,6 +31,7 @@ from jax.ad_checkpoint import checkpoint_name
 
 from kubejax.models.kernels import linear, product
 from kubejax.models.partitioning import constrain
+from kubejax.models.quantize import dequantize_kernel
 
 #: config.json `model_type`s this module runs, and the HF class names written on export.
 FAMILIES = {
@@ -234,13 +235,22 @@ class Linear(nnx.Module):
         self.kernel = nnx.Param(init(rngs.params(), (n_in, n_out), jnp.float32))
         self.bias = nnx.Param(jnp.zeros((n_out,), jnp.float32)) if bias else None
         self.dtype = dtype
-        # Data, not static structure: `kubejax.models.lora` sets them later.
+        # Data, not static structure: `kubejax.models.lora` sets them later (the adapters; for
+        # QLoRA the kernel's codes and scales in place of the kernel).
         self.lora_a, self.lora_b = nnx.data(None), nnx.data(None)
         self.lora_scale = 0.0
+        self.qkernel, self.qscale = nnx.data(None), nnx.data(None)
+        self.qtype = ""
+
+    def weight(self) -> jax.Array:
+        """The kernel [in, out], dequantized when stored quantized (QLoRA's frozen base)."""
+        if self.qkernel is None:
+            return self.kernel[...]
+        return dequantize_kernel(self.qkernel[...], self.qscale[...], self.qtype)
 
     def __call__(self, x: jax.Array) -> jax.Array:
         x = x.astype(self.dtype)
-        y = linear(x, self.kernel[...])
+        y = linear(x, self.weight())
         if self.lora_a is not None:
             low = product(x, self.lora_a[...].astype(self.dtype)).astype(self.dtype)
             update = product(low, self.lora_b[...].astype(self.dtype)).astype(jnp.float32)

@@ -26,6 +26,7 @@ import numpy as np
 from flax import nnx
 
 from kubejax.models.decoder import Linear
+from kubejax.models.quantize import QTYPES, dequantize_kernel, quantize_kernel
 
 #: `lora_targets` shorthands → the projections they name.
 TARGET_GROUPS = {
@@ -152,3 +153,32 @@ def save_adapter(model, out_dir: Path, base_model: str) -> None:
     out_dir.mkdir(parents=True, exist_ok=True)
     (out_dir / "adapter_config.json").write_text(json.dumps(config, indent=2) + "\n")
     save_file(tensors, out_dir / "adapter_model.safetensors", metadata={"format": "pt"})
+
+
+# ---------------------------------------------------------------------------------------------
+# QLoRA: the frozen base's projections stored quantized
+
+
+def quantize(model, qtype: str) -> int:
+    """Store every projection's kernel of `model` quantized (the frozen base of QLoRA; heads
+    and embeddings stay as they are); the number of kernels quantized."""
+    if qtype not in QTYPES:
+        raise LoraError(f"weight_qtype: {qtype!r} is not one of {', '.join(QTYPES)}")
+    layers = _projections(model).values()
+    for layer in layers:
+        codes, scale = quantize_kernel(layer.kernel[...], qtype)
+        layer.kernel = None
+        layer.qkernel = nnx.Param(jnp.asarray(codes))
+        layer.qscale = nnx.Param(jnp.asarray(scale))
+        layer.qtype = qtype
+    return len(layers)
+
+
+def dequantize(model) -> None:
+    """Undo `quantize`: float32 kernels from the codes (for the merged export)."""
+    for layer in _projections(model).values():
+        if layer.qkernel is not None:
+            kernel = dequantize_kernel(layer.qkernel[...], layer.qscale[...], layer.qtype)
+            layer.kernel = nnx.Param(kernel)
+            layer.qkernel = layer.qscale = None
+            layer.qtype = ""

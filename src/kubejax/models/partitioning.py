@@ -24,12 +24,13 @@ from jax.sharding import PartitionSpec
 LOGICAL_AXES: tuple[tuple[str, tuple[str | None, ...]], ...] = (
     (r"(embed_tokens|word)\.embedding$", ("vocab", "embed")),
     (r"(position|token_type)\.embedding$", (None, "embed")),
-    (r"\.(q_proj|k_proj|v_proj|query|key|value)\.kernel$", ("embed", "heads")),
+    # QLoRA's codes and scales ([in or in / 2 or in / block, out]) shard like the kernel.
+    (r"\.(q_proj|k_proj|v_proj|query|key|value)\.(kernel|qkernel|qscale)$", ("embed", "heads")),
     (r"\.(q_proj|k_proj|v_proj|query|key|value)\.bias$", ("heads",)),
-    (r"\.(o_proj|attn_out)\.kernel$", ("heads", "embed")),
-    (r"\.(gate_proj|up_proj|intermediate)\.kernel$", ("embed", "mlp")),
+    (r"\.(o_proj|attn_out)\.(kernel|qkernel|qscale)$", ("heads", "embed")),
+    (r"\.(gate_proj|up_proj|intermediate)\.(kernel|qkernel|qscale)$", ("embed", "mlp")),
     (r"\.(gate_proj|up_proj|intermediate)\.bias$", ("mlp",)),
-    (r"\.(down_proj|output)\.kernel$", ("mlp", "embed")),
+    (r"\.(down_proj|output)\.(kernel|qkernel|qscale)$", ("mlp", "embed")),
     (r"lm_head\.kernel$", ("embed", "vocab")),
     (r"(score|classifier|pooler)\.kernel$", ("embed", None)),
 )

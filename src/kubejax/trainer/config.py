@@ -28,18 +28,14 @@ OPTIMIZER_SETTINGS = {
 }
 DTYPES = ("float32", "bfloat16")
 REMATS = ("none", "minimal", "full")
-PEFTS = ("none", "lora")
+PEFTS = ("none", "lora", "qlora")
+QTYPES = ("nf4", "int8")
 #: Training tasks: a classification head, or a decoder writing each label's answer.
 TASKS = ("classification", "causal-lm")
 
 
 class ConfigError(KubejaxError, ValueError):
     """A bad trainer setting; the message starts with the setting's name."""
-
-
-class InfeasibleError(ConfigError):
-    """Settings the job's devices cannot run: a mesh they do not make, a memory plan over the
-    device's memory. A sweep skips such a trial (pruned) instead of failing it."""
 
 
 @dataclass
@@ -101,8 +97,14 @@ class TrainConfig:
     )
     peft: str = _f(
         "none",
-        "none (full fine-tuning) or lora (low-rank adapters on a frozen base: only they and a "
-        "classifier's head train; exported as a PEFT adapter and a merged model)",
+        "none (full fine-tuning), lora (low-rank adapters on a frozen base: only they and a "
+        "classifier's head train; exported as a PEFT adapter and a merged model) or qlora "
+        "(LoRA on a base whose projections are stored quantized, weight_qtype)",
+    )
+    weight_qtype: str = _f(
+        "nf4",
+        "qlora: the frozen projections' storage: nf4 (QLoRA's 4-bit NormalFloat, absmax per "
+        "block of 64 inputs) or int8 (the same blocks, 8-bit)",
     )
     lora_rank: int = _f(16, "LoRA: the adapters' rank")
     lora_alpha: float = _f(32.0, "LoRA: the adapters' scale is lora_alpha / lora_rank (PEFT's)")
@@ -247,6 +249,10 @@ class TrainConfig:
             parse_bytes(self.device_memory)
         if self.peft not in PEFTS:
             raise ConfigError(f"peft: {self.peft!r} is not one of {', '.join(PEFTS)}")
+        if self.weight_qtype not in QTYPES:
+            raise ConfigError(
+                f"weight_qtype: {self.weight_qtype!r} is not one of {', '.join(QTYPES)}"
+            )
         if self.lora_rank < 1:
             raise ConfigError(f"lora_rank: must be at least 1, got {self.lora_rank}")
         if self.lora_alpha <= 0:

@@ -19,10 +19,11 @@ import re
 
 import jax
 
+from kubejax.errors import InfeasibleError
 from kubejax.models import weights
 from kubejax.models.partitioning import logical_tree
 from kubejax.trainer import sharding
-from kubejax.trainer.config import ConfigError, InfeasibleError, TrainConfig, parse_bytes
+from kubejax.trainer.config import ConfigError, TrainConfig, parse_bytes
 
 #: Device memory by GPU product (the `nvidia.com/gpu.product` node label), where the name does
 #: not carry it ("NVIDIA-H100-80GB-HBM3" does: read from the name).
@@ -143,10 +144,15 @@ def plan_memory(
     pbytes = 2 if cfg.param_dtype == "bfloat16" else 4
     elems = [(x.size // n, x.ndim) for x, n in zip(jax.tree.leaves(params), shards, strict=True)]
     held = sum(e * (pbytes if nd >= 2 else 4) for e, nd in elems)
-    # What trains: everything, or LoRA's adapters (replicated, float32) and a classifier's head.
-    trains = elems if cfg.peft == "none" else _lora_elements(cfg, params)
+    if cfg.peft == "qlora":  # the projections' codes and block scales in place of the kernels
+        held -= _quantized_saving(cfg, params, shards, pbytes)
+    # What trains: everything, or LoRA's adapters (replicated, float32, added to what is held)
+    # and a classifier's head (held already).
+    trains = elems
     if cfg.peft != "none":
-        held += sum(e * 4 for e, _ in trains)
+        adapters, head = _lora_elements(cfg, params)
+        held += sum(e * 4 for e, _ in adapters)
+        trains = adapters + head
     trained = sum(e * (pbytes if nd >= 2 and cfg.peft == "none" else 4) for e, nd in trains)
     batch_devices = sizes["data"] * sizes["fsdp"]
     micro = cfg.global_batch_size // cfg.grad_accum_steps // batch_devices
@@ -164,20 +170,39 @@ def plan_memory(
     )
 
 
-def _lora_elements(cfg: TrainConfig, params) -> list[tuple[int, int]]:
-    """(elements, ndim) of what trains under LoRA: each adapted kernel's A and B, the head."""
+def _quantized_saving(cfg: TrainConfig, params, shards: list[int], pbytes: int) -> int:
+    """Bytes QLoRA saves: each projection kernel's `pbytes` a value replaced by its codes (1
+    byte for int8, half for nf4) and its float32 scales, one per block of inputs."""
+    from kubejax.models.lora import HEADS
+    from kubejax.models.partitioning import path_name
+    from kubejax.models.quantize import block_size
+
+    code = 1.0 if cfg.weight_qtype == "int8" else 0.5
+    saved = 0
+    flat = jax.tree_util.tree_flatten_with_path(params)[0]
+    for (path, x), n in zip(flat, shards, strict=True):
+        name = path_name(path)
+        if name.endswith("_proj.kernel") and not name.startswith(HEADS):
+            scales = x.shape[0] // block_size(x.shape[0]) * x.shape[1] * 4
+            saved += int((x.size * (pbytes - code) - scales) // n)
+    return saved
+
+
+def _lora_elements(cfg: TrainConfig, params) -> tuple[list, list]:
+    """(elements, ndim) of what trains under LoRA: each adapted kernel's A and B, and the
+    classifier's head."""
     from kubejax.models.lora import target_names
     from kubejax.models.partitioning import path_name
 
     names = target_names(cfg.lora_targets)
-    out = []
+    adapters, head = [], []
     for path, x in jax.tree_util.tree_flatten_with_path(params)[0]:
         name = path_name(path)
-        if name.endswith(".kernel") and name.split(".")[-2] in names and "score" not in name:
-            out += [(x.shape[0] * cfg.lora_rank, 2), (cfg.lora_rank * x.shape[1], 2)]
-        elif name.startswith("score."):
-            out.append((x.size, x.ndim))
-    return out
+        if name.startswith("score."):
+            head.append((x.size, x.ndim))
+        elif name.endswith(".kernel") and name.split(".")[-2] in names:
+            adapters += [(x.shape[0] * cfg.lora_rank, 2), (cfg.lora_rank * x.shape[1], 2)]
+    return adapters, head
 
 
 def _shard_counts(params, sizes: dict[str, int]) -> list[int]:

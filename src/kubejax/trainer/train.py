@@ -120,7 +120,7 @@ def classifier_for(
             raise ConfigError(f"{unusable} ({str(err).removeprefix('model: ')})") from err
     if weights.is_decoder(model_cfg):
         model.model.remat = cfg.remat
-    if cfg.peft == "lora":
+    if cfg.peft != "none":
         _add_adapters(cfg, model, model_cfg)
     tokenizer_dir = Path(cfg.tokenizer) if cfg.tokenizer else model_dir
     if tokenizer_dir is not None and not tokenizer_dir.is_dir():
@@ -133,6 +133,8 @@ def _add_adapters(cfg: TrainConfig, model, model_cfg) -> None:
         raise ConfigError("peft: lora applies to the decoder families; BERT trains in full")
     try:
         lora.apply(model, cfg.lora_rank, cfg.lora_alpha, cfg.lora_targets, cfg.seed)
+        if cfg.peft == "qlora":
+            lora.quantize(model, cfg.weight_qtype)
     except lora.LoraError as err:
         raise ConfigError(str(err)) from err
 
@@ -653,11 +655,13 @@ class Progress:
         )
 
 
-def state_sizes(params, opt_state) -> dict:
-    """What trains (LoRA: the adapters and a head) and the bytes of its optimizer state."""
+def state_sizes(params, opt_state, frozen) -> dict:
+    """What trains (LoRA: the adapters and a head), the bytes of its optimizer state, and the
+    bytes of the frozen base (QLoRA's quantized)."""
     return {
         "trainable_params": sum(x.size for x in jax.tree.leaves(params)),
         "optimizer_state_bytes": sum(x.nbytes for x in jax.tree.leaves(opt_state)),
+        "frozen_params_bytes": sum(x.nbytes for x in jax.tree.leaves(frozen)),
     }
 
 
@@ -677,9 +681,10 @@ def export_model(
     if jax.process_index() != 0:
         return
     adapter = None
-    if cfg.peft == "lora":
+    if cfg.peft != "none":
         adapter = Path(cfg.output_dir) / f"{MODEL_DIR}.adapter"
         lora.save_adapter(host_model, adapter, cfg.model)
+        lora.dequantize(host_model)  # QLoRA: the merged model's base is the dequantized one
         lora.merge(host_model)
     weights.save_model_dir(
         host_model,
@@ -819,7 +824,7 @@ def train_and_evaluate(cfg: TrainConfig) -> dict:
             save(final_step)
         ckpt.wait()
         final = progress.final(final_step, final_eval, time.monotonic() - t_start)
-        final.update(state_sizes(params, opt_state))
+        final.update(state_sizes(params, opt_state, frozen))
         if cfg.save_final:
             export_model(cfg, graphdef, (params, frozen), data, tokenizer_dir, tracker)
         if jax.process_index() == 0:

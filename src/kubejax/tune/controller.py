@@ -20,11 +20,11 @@ from pathlib import Path
 import optuna
 
 from kubejax import tracking
+from kubejax.errors import InfeasibleError
 from kubejax.flags import setting as _f
 from kubejax.jobs.client import FAILED, SUCCEEDED, JAXJobClient
 from kubejax.jobs.launch import delete_on_sigterm
 from kubejax.jobs.spec import JAXJobSpec, job_name
-from kubejax.trainer.config import InfeasibleError
 from kubejax.tune.space import (
     ALGORITHMS,
     PRUNERS,

@@ -1,0 +1,63 @@
+"""Weights stored quantized: QLoRA's frozen base. Per block of (up to) 64 inputs and each
+output an absmax scale; the codes int8, or NF4 (QLoRA's 4-bit NormalFloat), two a byte.
+Plain NumPy to quantize (once, at load) and JAX to dequantize (in each product's use), no
+dependency beyond them: Qwix does the same behind interception of every product, which the
+decoder's own projections do not need."""
+
+from __future__ import annotations
+
+import math
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+#: QLoRA's NormalFloat4 levels (Dettmers et al. 2023; bitsandbytes' table): quantiles of a
+#: normal distribution, so normally distributed weights use the 16 codes evenly.
+NF4 = np.array([
+    -1.0, -0.6961928009986877, -0.5250730514526367, -0.39491748809814453,
+    -0.28444138169288635, -0.18477343022823334, -0.09105003625154495, 0.0,
+    0.07958029955625534, 0.16093020141124725, 0.24611230194568634, 0.33791524171829224,
+    0.44070982933044434, 0.5626170039176941, 0.7229568362236023, 1.0,
+], np.float32)  # fmt: skip
+QTYPES = ("nf4", "int8")
+#: Weights per absmax scale, along the input axis (QLoRA's block; smaller where the input
+#: width is not a multiple).
+BLOCK = 64
+
+
+def block_size(n_in: int) -> int:
+    """Inputs per scale for a kernel of `n_in` inputs: BLOCK, or the largest divisor of it
+    that divides `n_in`."""
+    return math.gcd(n_in, BLOCK)
+
+
+def quantize_kernel(kernel, qtype: str) -> tuple[np.ndarray, np.ndarray]:
+    """(codes, scales) of a kernel [in, out]: per block of `block_size(in)` inputs and each
+    output, the absmax scale [in / block, out] (float32) and the codes: int8 [in, out]
+    (round(w / absmax · 127)), or nf4, two 4-bit codes a byte along the input [in / 2, out]
+    (the nearest NF4 level of w / absmax)."""
+    w = np.asarray(kernel, np.float32)
+    n_in, n_out = w.shape
+    block = block_size(n_in)
+    blocks = w.reshape(n_in // block, block, n_out)
+    scale = np.abs(blocks).max(axis=1)
+    scale = np.where(scale == 0, 1.0, scale).astype(np.float32)
+    normed = blocks / scale[:, None, :]
+    if qtype == "int8":
+        return np.round(normed * 127).astype(np.int8).reshape(n_in, n_out), scale
+    codes = np.abs(normed.reshape(n_in, n_out)[..., None] - NF4).argmin(-1).astype(np.uint8)
+    return (codes[0::2] | (codes[1::2] << 4)).astype(np.uint8), scale
+
+
+def dequantize_kernel(codes: jax.Array, scale: jax.Array, qtype: str) -> jax.Array:
+    """The float32 kernel [in, out] of `quantize_kernel`'s codes and scales."""
+    if qtype == "int8":
+        values = codes.astype(jnp.float32) / 127.0
+    else:
+        low, high = codes & 0x0F, codes >> 4
+        idx = jnp.stack([low, high], axis=1).reshape(-1, codes.shape[1])
+        values = jnp.asarray(NF4)[idx.astype(jnp.int32)]
+    n_in, n_out = values.shape
+    blocks = values.reshape(scale.shape[0], n_in // scale.shape[0], n_out)
+    return (blocks * scale[:, None, :]).reshape(n_in, n_out)
