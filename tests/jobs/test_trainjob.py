@@ -230,8 +230,8 @@ def test_devices_per_worker_reach_both_engines_and_the_mesh_is_checked_first():
     (resourcesPerNode) and the JAXJob (its worker container); a mesh the job's devices do not
     make, or a memory plan over the node's GPU (its product label), is refused before any
     manifest."""
+    from kubejax.errors import InfeasibleError
     from kubejax.jobs.spec import build_manifest
-    from kubejax.trainer.config import ConfigError
 
     scratch = json.dumps(
         {"model_type": "llama", "hidden_size": 64, "intermediate_size": 128,
@@ -247,11 +247,11 @@ def test_devices_per_worker_reach_both_engines_and_the_mesh_is_checked_first():
     worker = build_manifest(spec)["spec"]["jaxReplicaSpecs"]["Worker"]
     container = worker["template"]["spec"]["containers"][0]
     assert container["resources"]["limits"]["nvidia.com/gpu"] == 4
-    with pytest.raises(ConfigError, match=r"makes 4 devices, but the job has 6"):
+    with pytest.raises(InfeasibleError, match=r"makes 4 devices, but the job has 6"):
         build_train_spec(**common, replicas=3, devices_per_worker=2,
                          hyperparameters={**hp, "mesh": "fsdp=4"})  # fmt: skip
     small_gpu = SimpleNamespace(node_selector={"nvidia.com/gpu.product": "Tesla-T4"})
     big = {**hp, "max_length": 4096, "global_batch_size": 4096}
-    with pytest.raises(ConfigError, match=r"more than the 14.90 GiB of the device"):
+    with pytest.raises(InfeasibleError, match=r"more than the 14.90 GiB of the device"):
         build_train_spec(**common, replicas=1, devices_per_worker=1, hyperparameters=big,
                          task_config=small_gpu)  # fmt: skip

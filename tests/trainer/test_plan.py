@@ -13,6 +13,7 @@ import pytest
 import yaml
 
 from kubejax.cli import main
+from kubejax.errors import InfeasibleError
 from kubejax.trainer import plan
 from kubejax.trainer.config import ConfigError, TrainConfig
 
@@ -67,7 +68,7 @@ def test_fsdp_divides_the_state_and_bfloat16_halves_the_weights():
 def test_a_run_that_does_not_fit_is_refused_naming_each_figure_and_what_fits():
     cfg = _cfg(global_batch_size=32, max_length=512)
     model_cfg = plan.model_config(cfg)
-    with pytest.raises(ConfigError) as err:
+    with pytest.raises(InfeasibleError) as err:
         plan.check_fits(cfg, model_cfg, 5, 4, plan.parse_bytes("300MiB"))
     message = str(err.value)
     assert message.startswith("device_memory: the run needs")
@@ -80,7 +81,7 @@ def test_a_run_that_does_not_fit_is_refused_naming_each_figure_and_what_fits():
         model_cfg, 5, 4, plan.parse_bytes("300MiB"),
     )  # fmt: skip
     assert fit.fits
-    with pytest.raises(ConfigError, match="no mesh of 4 devices fits"):
+    with pytest.raises(InfeasibleError, match="no mesh of 4 devices fits"):
         plan.check_fits(cfg, model_cfg, 5, 4, plan.parse_bytes("10MiB"))
 
 
