@@ -252,6 +252,6 @@ def test_devices_per_worker_reach_both_engines_and_the_mesh_is_checked_first():
                          hyperparameters={**hp, "mesh": "fsdp=4"})  # fmt: skip
     small_gpu = SimpleNamespace(node_selector={"nvidia.com/gpu.product": "Tesla-T4"})
     big = {**hp, "max_length": 4096, "global_batch_size": 4096}
-    with pytest.raises(InfeasibleError, match=r"more than the 14.90 GiB of the device"):
+    with pytest.raises(InfeasibleError, match=r"more than the 11.18 GiB of the device"):
         build_train_spec(**common, replicas=1, devices_per_worker=1, hyperparameters=big,
                          task_config=small_gpu)  # fmt: skip

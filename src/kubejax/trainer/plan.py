@@ -42,15 +42,22 @@ def gpu_memory(product: str) -> int | None:
     return None
 
 
+#: The share of a GPU's memory JAX takes for its allocator by default (it preallocates 75 %;
+#: `XLA_PYTHON_CLIENT_MEM_FRACTION` in the workers' environment changes it).
+JAX_MEMORY_FRACTION = 0.75
+
+
 def device_memory_of(cfg: TrainConfig, node_selector: dict | None = None) -> int | None:
-    """The memory the plan checks against: the `device_memory` setting, else the GPU of the
-    pods' node selector (`nvidia.com/gpu.product`), else what JAX reports of its first device
-    (a GPU's `bytes_limit`; nothing on CPU)."""
+    """The memory the plan checks against: the `device_memory` setting (what a device can
+    use), else the GPU of the pods' node selector (`nvidia.com/gpu.product`) times
+    JAX_MEMORY_FRACTION, else what JAX reports of its first device (a GPU's `bytes_limit`,
+    which is that share already; nothing on CPU)."""
     if cfg.device_memory:
         return parse_bytes(cfg.device_memory)
     product = (node_selector or {}).get("nvidia.com/gpu.product")
     if product:
-        return gpu_memory(product)
+        memory = gpu_memory(product)
+        return None if memory is None else int(memory * JAX_MEMORY_FRACTION)
     if node_selector is None and jax.devices()[0].platform == "gpu":
         return (jax.devices()[0].memory_stats() or {}).get("bytes_limit")
     return None
