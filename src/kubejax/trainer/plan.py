@@ -275,8 +275,9 @@ def _activations(cfg: TrainConfig, model_cfg, sizes: dict[str, int], micro: int)
 
 def _gathered(params, shards: list[int], sizes, pbytes: int, cfg: TrainConfig) -> int:
     """FSDP gathers each layer's weights for its products and holds the layer's whole gradient
-    before reducing it to shards: two copies of the largest layer (or the embedding table);
-    bfloat16 weights are updated through a float32 copy of each shard."""
+    before reducing it to shards: two copies of the largest layer (or the embedding table), one
+    under LoRA (the frozen base has no gradient); bfloat16 weights are updated through a float32
+    copy of each shard."""
     from kubejax.models.partitioning import path_name
 
     out = 0
@@ -289,7 +290,8 @@ def _gathered(params, shards: list[int], sizes, pbytes: int, cfg: TrainConfig) -
             key = layer[0] if layer else name
             whole = x.size // n * (sizes["fsdp"] if n % sizes["fsdp"] == 0 and n > 1 else 1)
             groups[key] = groups.get(key, 0) + whole * (pbytes if x.ndim >= 2 else 4)
-        out += 2 * max(groups.values())
+        # Under LoRA the gathered base takes no gradient: one copy.
+        out += (2 if cfg.peft == "none" else 1) * max(groups.values())
     if cfg.param_dtype == "bfloat16" and cfg.peft == "none":
         out += sum(x.size // n * 4 for (_, x), n in zip(flat, shards, strict=True) if x.ndim >= 2)
     return out
