@@ -96,7 +96,7 @@ def ours(batch: int, length: int, steps: int, warmup: int, lora_rank: int = 0) -
     frozen, sparse = None, model.sparse_embedding
     if lora_rank:
         lora.apply(model, lora_rank, 2.0 * lora_rank, "attention")
-        graphdef, params, frozen = nnx.split(model, lora.trainable(model), ...)
+        graphdef, params, frozen = nnx.split(model, lora.TRAINABLE, ...)
         frozen, sparse = distributed.replicate(frozen, mesh), None
     else:
         graphdef, params = nnx.split(model)

@@ -5,7 +5,7 @@
 model. The adapters are `nnx.LoRAParam`s on the decoder's own `Linear` layers (`lora_a`,
 `lora_b`), not a wrapper module nor Qwix's interception of every product: the projection
 stays one module whose kernel is the checkpoint's, the trainer splits what trains from what
-stays frozen with one filter (`trainable`), and the export reads the adapters where the
+stays frozen with one filter (`TRAINABLE`), and the export reads the adapters where the
 checkpoint's names already are. Adapters are replicated on a sharded mesh (rank × (in + out)
 values a projection: well under 1 % of its weight for the usual ranks).
 
@@ -93,11 +93,9 @@ def apply(model, rank: int, alpha: float, targets: str, seed: int = 0) -> list[s
     return adapted
 
 
-def trainable(model):
-    """The filter of what trains under LoRA: the adapters, and a classifier's head (PEFT's
-    `modules_to_save` for SEQ_CLS)."""
-    del model
-    return nnx.Any(nnx.LoRAParam, nnx.PathContains("score"))
+#: The filter of what trains under LoRA: the adapters, and a classifier's head (PEFT's
+#: `modules_to_save` for SEQ_CLS).
+TRAINABLE = nnx.Any(nnx.LoRAParam, nnx.PathContains("score"))
 
 
 def adapters(model) -> dict[str, Linear]:

@@ -95,12 +95,13 @@ def check_model(model_cfg, sizes: dict[str, int]) -> None:
             raise MeshError(f"mesh: tensor={tensor} does not divide the model's {name} ({count})")
 
 
-def spec_of(axes: tuple, shape: tuple[int, ...], mesh: Mesh) -> PartitionSpec:
-    """The PartitionSpec of a parameter with these logical axes and shape on `mesh`."""
+def spec_of(axes: tuple, shape: tuple[int, ...], sizes) -> PartitionSpec:
+    """The PartitionSpec of a parameter with these logical axes and shape on a mesh of these
+    axis sizes (`mesh.shape`, or a plan's mapping)."""
     out = []
     for axis, dim in zip(axes, shape, strict=True):
         mesh_axis = RULES.get(axis) if axis else None
-        size = mesh.shape.get(mesh_axis, 1) if mesh_axis else 1
+        size = sizes.get(mesh_axis, 1) if mesh_axis else 1
         out.append(mesh_axis if size > 1 and dim % size == 0 else None)
     return PartitionSpec(*out)
 
@@ -109,7 +110,7 @@ def param_shardings(params, mesh: Mesh):
     """A NamedSharding for every parameter (a tree like `params`; arrays or shape structs)."""
     axes = logical_tree(params)
     return jax.tree.map(
-        lambda a, x: NamedSharding(mesh, spec_of(a, x.shape, mesh)),
+        lambda a, x: NamedSharding(mesh, spec_of(a, x.shape, mesh.shape)),
         axes,
         params,
         is_leaf=lambda a: isinstance(a, tuple),
@@ -121,7 +122,7 @@ def placement(mesh: Mesh):
     from kubejax.models.partitioning import logical_axes
 
     return lambda name, shape: NamedSharding(
-        mesh, spec_of(logical_axes(name, len(shape)), shape, mesh)
+        mesh, spec_of(logical_axes(name, len(shape)), shape, mesh.shape)
     )
 
 

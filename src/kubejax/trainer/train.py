@@ -147,7 +147,7 @@ def split_trainable(cfg: TrainConfig, model, mesh):
     if cfg.peft == "none":
         graphdef, params = nnx.split(model)
         return graphdef, matrices_in(params, cfg.param_dtype), None
-    graphdef, params, frozen = nnx.split(model, lora.trainable(model), ...)
+    graphdef, params, frozen = nnx.split(model, lora.TRAINABLE, ...)
     return graphdef, params, _place_frozen(matrices_in(frozen, cfg.param_dtype), mesh)
 
 
