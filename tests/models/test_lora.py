@@ -181,3 +181,117 @@ def test_qlora_trains_like_lora_on_a_quantized_base(tiny_decoder_dir, prepared_d
     config = json.loads((tmp_path / "nf4" / "model" / "config.json").read_text())
     assert config["torch_dtype"] == "float32"
     assert (tmp_path / "nf4" / "model" / "adapter" / "adapter_model.safetensors").is_file()
+
+
+def _adapted_bert(folder):
+    """Our BERT classifier of `folder` with rank-4 adapters on every projection, B random and
+    the head (classifier and pooler) moved, as after training."""
+    cfg = weights.load_config(folder)
+    model, _ = weights.from_checkpoint(folder, cfg, "classification", 5, jnp.float32)
+    adapted = lora.apply(model, rank=4, alpha=8.0, targets="all", dropout=0.1)
+    assert len(adapted) == 6 * cfg.num_hidden_layers
+    for i, layer in enumerate(lora.adapters(model).values()):
+        b = jax.random.normal(jax.random.key(i), layer.lora_b.shape) * 0.05
+        layer.lora_b = nnx.LoRAParam(b)
+    for head in (model.classifier, model.pooler):
+        head.kernel = nnx.Param(head.kernel[...] + 0.3)
+        head.bias = nnx.Param(head.bias[...] - 0.1)
+    return model
+
+
+def test_peft_loads_our_bert_adapter_with_our_logits_and_the_merged_model_alone(
+    tiny_model_dir, tmp_path
+):
+    """BERT's modules under Hugging Face's names (`attention.self.query`, `attention.output.
+    dense`, ...), the classifier and pooler as `modules_to_save`; our last layer folds the
+    adapted key and value weights into its [CLS] attention (`effective_weight`)."""
+    from peft import PeftModel
+    from transformers import AutoModelForSequenceClassification
+
+    model = _adapted_bert(tiny_model_dir)
+    lora.save_adapter(model, tmp_path / "adapter", str(tiny_model_dir))
+    config = json.loads((tmp_path / "adapter" / "adapter_config.json").read_text())
+    assert config["task_type"] == "SEQ_CLS" and config["lora_dropout"] == 0.1
+    assert config["modules_to_save"] == ["classifier", "pooler"]
+    assert "bert.encoder.layer.1.output.dense" in config["target_modules"]
+    assert len(config["target_modules"]) == 12
+    ref = AutoModelForSequenceClassification.from_pretrained(str(tiny_model_dir), num_labels=5)
+    peft_model = PeftModel.from_pretrained(ref, str(tmp_path / "adapter"), adapter_name="first")
+    result = peft_model.load_adapter(str(tmp_path / "adapter"), adapter_name="ours")
+    assert result.unexpected_keys == []
+    assert [k for k in result.missing_keys if "lora_" in k or "ours" in k] == []
+    peft_model.set_adapter("ours")
+    peft_model.eval()
+    ids = np.random.default_rng(0).integers(1000, 2000, (3, 12))
+    mask = np.ones_like(ids)
+    mask[1, 7:] = 0
+    args = {"input_ids": torch.tensor(ids), "attention_mask": torch.tensor(mask)}
+    ours = np.asarray(model(ids, mask))
+    with torch.no_grad():
+        expected = peft_model(**args).logits.numpy()
+    assert_close_to_scale(ours, expected, 1e-4, "bert with the adapter")
+
+    lora.merge(model)
+    weights.save_model_dir(model, tmp_path / "merged", list("abcde"), None, max_length=32)
+    merged = AutoModelForSequenceClassification.from_pretrained(str(tmp_path / "merged")).eval()
+    with torch.no_grad():
+        alone = merged(**args).logits.numpy()
+    assert_close_to_scale(alone, expected, 1e-4, "bert merged")
+
+
+def test_lora_dropout_masks_the_adapters_inputs_in_training_only(tmp_path):
+    """Training forwards (not deterministic) drop the adapters' inputs, differently under each
+    key; evaluation, and a rate of 0, compute the undropped adapter."""
+    save_tiny("llama", tmp_path / "base", head="classification")
+    model = _adapted(tmp_path / "base", "classification")
+    ids = np.random.default_rng(1).integers(1, 300, (2, 10))
+    mask = np.ones_like(ids)
+    plain = np.asarray(model(ids, mask))
+    for layer in lora.adapters(model).values():
+        layer.lora_dropout = 0.5
+    train = [np.asarray(model(ids, mask, deterministic=False, rngs=nnx.Rngs(dropout=k)))
+             for k in (0, 1)]  # fmt: skip
+    assert np.array_equal(np.asarray(model(ids, mask)), plain)
+    assert np.abs(train[0] - plain).max() > 1e-3 and np.abs(train[0] - train[1]).max() > 1e-3
+    for layer in lora.adapters(model).values():
+        layer.lora_dropout = 0.0
+    undropped = model(ids, mask, deterministic=False, rngs=nnx.Rngs(dropout=0))
+    assert np.array_equal(np.asarray(undropped), plain)
+
+
+def test_trainer_runs_lora_and_qlora_on_bert(tiny_model_dir, prepared, tmp_path):
+    """peft=lora on BERT with lora_dropout: the adapter names BERT's modules and trains them,
+    the classifier and the pooler; the merged model is the base plus B·A·scale; the optimizer
+    state is the adapters' and head's moments, as planned; peft=qlora stores BERT's
+    projections in nf4, as planned."""
+    from safetensors.numpy import load_file
+
+    settings = {"lora_rank": 4, "lora_alpha": 16, "lora_targets": "all", "max_steps": 8,
+                "global_batch_size": 16, "learning_rate": 1e-2}  # fmt: skip
+    runs = {"lora": {"peft": "lora", "lora_dropout": 0.1}, "qlora": {"peft": "qlora"}}
+    for name, peft in runs.items():
+        out = tmp_path / name
+        assert main(tiny_args(tiny_model_dir, prepared, out, **settings, **peft)) == 0
+        metrics = json.loads((out / "metrics.json").read_text())
+        adapter = load_file(out / "model" / "adapter" / "adapter_model.safetensors")
+        trained = sum(v.size for v in adapter.values())
+        assert metrics["final"]["trainable_params"] == trained, name
+        cfg = TrainConfig(model=str(tiny_model_dir), data_dir="-", output_dir="-",
+                          global_batch_size=16, max_length=64,
+                          **{k: v for k, v in settings.items() if k.startswith("lora_")},
+                          **peft)  # fmt: skip
+        planned = plan.plan_memory(cfg, weights.load_config(tiny_model_dir), 5, 1)
+        assert planned.optimizer == 8 * trained, name
+        measured = metrics["final"]["frozen_params_bytes"] + 4 * trained
+        assert planned.params == measured, name
+        if name == "lora":
+            config = json.loads((out / "model" / "adapter" / "adapter_config.json").read_text())
+            assert config["lora_dropout"] == 0.1 and config["r"] == 4
+            # The merged output projection of the MLP: the base's plus its trained B·A·scale.
+            stem = "bert.encoder.layer.1.output.dense"
+            a, b = (adapter[f"base_model.model.{stem}.lora_{x}.weight"] for x in "AB")
+            assert np.abs(b).max() > 0
+            base = load_file(tiny_model_dir / "model.safetensors")[f"{stem}.weight"]
+            merged = load_file(out / "model" / "model.safetensors")[f"{stem}.weight"]
+            assert_close_to_scale(merged, base + (b @ a) * 4, 1e-5, "merged output.dense")
+            assert "base_model.model.bert.pooler.dense.weight" in adapter

@@ -547,7 +547,7 @@ def test_the_cpu_train_step_keeps_its_temporaries_to_a_piece(monkeypatch):
 def test_dropout_bits_look_independent_and_uniform():
     import jax
 
-    from kubejax.models.bert import dropout_bits
+    from kubejax.models.projection import dropout_bits
 
     bits = np.asarray(dropout_bits(jax.random.key(0), (64, 99, 101)))  # odd element count
     assert bits.dtype == np.uint16 and bits.shape == (64, 99, 101)
@@ -588,7 +588,7 @@ def test_off_cpu_dropout_bits_are_the_cpu_bits(monkeypatch):
     # Off CPU each element hashes its own half-word (so XLA can fuse the mask): the same bits.
     import jax
 
-    from kubejax.models.bert import dropout_bits
+    from kubejax.models.projection import dropout_bits
 
     shapes = [(7,), (3, 5, 9), (2, 4, 64, 64)]
     on_cpu = [np.asarray(dropout_bits(jax.random.key(5), s)) for s in shapes]

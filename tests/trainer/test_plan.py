@@ -130,17 +130,20 @@ def test_render_refuses_a_mesh_the_workers_do_not_make(capsys):
 
 
 def test_lora_settings_are_refused_before_any_job(capsys):
-    """A rank of 0, a target no decoder has, LoRA on BERT: one line naming the setting, exit
-    status 2, no manifest."""
+    """A rank of 0, a target the model's family lacks, a dropout of 1: one line naming the
+    setting, exit status 2, no manifest."""
     decoder = ["--model", "scratch", "--tokenizer", "-", "--scratch-config", SMALL]
     tiny_bert = json.dumps({"hidden_size": 32, "num_attention_heads": 2})
     bert = ["--model", "scratch", "--tokenizer", "-", "--scratch-config", tiny_bert]
     cases = {
         "lora_rank: must be at least 1, got 0": [*decoder, "--peft", "lora", "--lora-rank", "0"],
-        "lora_targets: query matches no module of the decoders; their projections are q_proj":
+        "lora_targets: query matches no module of the qwen2 model; its projections are q_proj":
             [*decoder, "--peft", "lora", "--lora-targets", "attention,query"],
-        "peft: lora applies to the decoder families; BERT trains in full":
-            [*bert, "--peft", "lora"],
+        "lora_targets: q_proj matches no module of the bert model; its projections are query, "
+        "key, value, attn_out, intermediate, output": [*bert, "--peft", "lora",
+                                                       "--lora-targets", "q_proj"],
+        "lora_dropout: must be in [0, 1), got 1.0": [*bert, "--peft", "lora",
+                                                     "--lora-dropout", "1"],
         "peft: 'qlora2' is not one of none, lora": [*decoder, "--peft", "qlora2"],
     }  # fmt: skip
     for expected, args in cases.items():

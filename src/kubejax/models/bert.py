@@ -21,6 +21,7 @@ from flax import nnx
 
 from kubejax.models.kernels import dense, matmul, operand
 from kubejax.models.partitioning import constrain
+from kubejax.models.projection import Projection, keep_mask
 
 #: The hidden activations `_activation` computes (BertConfig's `hidden_act`).
 ACTIVATIONS = ("gelu", "gelu_new", "gelu_pytorch_tanh", "relu")
@@ -111,16 +112,20 @@ class BertConfig:
         return [f"LABEL_{i}" for i in range(int(self.extra.get("num_labels", 2)))]
 
 
-class Dense(nnx.Module):
-    """A dense layer through `dense`, its `kernel` [in, out] and `bias` named as nnx.Linear's."""
+class Dense(Projection):
+    """A dense layer through `dense`, its `kernel` [in, out] and `bias` named as nnx.Linear's;
+    with a LoRA adapter (`Projection.adapt`), whose dropout draws from `rngs`."""
 
     def __init__(self, n_in: int, n_out: int, init, dtype, rngs: nnx.Rngs):
-        self.kernel = nnx.Param(init(rngs.params(), (n_in, n_out), jnp.float32))
-        self.bias = nnx.Param(jnp.zeros((n_out,), jnp.float32))
-        self.dtype = dtype
+        super().__init__(n_in, n_out, True, dtype, init, rngs)
 
-    def __call__(self, x: jax.Array) -> jax.Array:
-        return dense(x.astype(self.dtype), self.kernel[...], self.bias[...])
+    def __call__(self, x: jax.Array, rngs=None) -> jax.Array:
+        x = x.astype(self.dtype)
+        y = dense(x, self.weight(), self.bias[...])
+        if self.lora_a is None:
+            return y
+        key = rngs.dropout() if rngs is not None and self.lora_dropout > 0.0 else None
+        return self.adapt(x, y, key)
 
 
 def _dense(n_in: int, n_out: int, cfg: BertConfig, dtype, rngs: nnx.Rngs) -> Dense:
@@ -145,41 +150,6 @@ def _activation(name: str):
     raise ValueError(f"hidden_act: {name!r} is not supported ({', '.join(ACTIVATIONS)})")
 
 
-def _mix32(x: jax.Array) -> jax.Array:
-    """C. Wellons' `lowbias32` integer hash: a bijection of uint32 in which every output bit
-    depends on every input bit."""
-    x = (x ^ (x >> 16)) * jnp.uint32(0x7FEB352D)
-    x = (x ^ (x >> 15)) * jnp.uint32(0x846CA68B)
-    return x ^ (x >> 16)
-
-
-def dropout_bits(key: jax.Array, shape: tuple[int, ...]) -> jax.Array:
-    """16 random bits (uint16) per element of `shape`, a deterministic function of `key`.
-
-    A counter-based generator: one 32-bit seed drawn from `key`, then each counter hashed twice
-    around it (`mix(mix(i) ^ seed)`), two elements per 32-bit hash (so up to 2³³ elements):
-    about 17 integer operations per 32-bit word against threefry's 60-odd. Drawing every mask
-    of a MiniLM train step through `jax.random.bits` was 3-6 % of the step (bench/NOTES.md,
-    attempt 21). Dropout needs independent-looking bits, not a cryptographic stream.
-    """
-    n = math.prod(shape)
-    seed = jax.random.bits(key, (), jnp.uint32)
-    if jax.default_backend() != "cpu" and n < 2**32:
-        # The same bits, each element hashing its own half-word: elementwise, so that on a GPU
-        # XLA fuses the mask into the dropout that reads it instead of writing the bits out.
-        i = jax.lax.iota(jnp.uint32, n).reshape(shape)
-        words = _mix32(_mix32(i >> 1) ^ seed)
-        return (words >> ((i & 1) << 4)).astype(jnp.uint16)
-    words = _mix32(_mix32(jax.lax.iota(jnp.uint32, (n + 1) // 2)) ^ seed)
-    return jax.lax.bitcast_convert_type(words, jnp.uint16).reshape(-1)[:n].reshape(shape)
-
-
-def _keep(key: jax.Array, shape: tuple[int, ...], rate: float) -> tuple[jax.Array, float]:
-    """`Dropout`'s mask for `key` (True: kept) and the scale of the kept elements."""
-    threshold = min(round(rate * 65536), 65535)
-    return dropout_bits(key, shape) >= threshold, 65536 / (65536 - threshold)
-
-
 @partial(jax.custom_vjp, nondiff_argnums=(3,))
 def softmax_dropout(scores: jax.Array, bias: jax.Array, key: jax.Array, rate: float) -> jax.Array:
     """`Dropout(rate)` (the mask of `key`) of softmax(scores + bias) over the last axis, computed
@@ -199,7 +169,7 @@ def _softmax_dropout_fwd(scores, bias, key, rate):
     top = s.max(-1, keepdims=True)
     exp = jnp.exp(s - top)
     total = exp.sum(-1, keepdims=True)
-    keep, scale = _keep(key, scores.shape, rate)
+    keep, scale = keep_mask(key, scores.shape, rate)
     probs = exp * (scale / total)
     return jnp.where(keep, probs, 0.0).astype(scores.dtype), (scores, bias, key, top, total)
 
@@ -207,7 +177,7 @@ def _softmax_dropout_fwd(scores, bias, key, rate):
 def _softmax_dropout_bwd(rate, residuals, g):
     scores, bias, key, top, total = residuals
     probs = jnp.exp(scores.astype(jnp.float32) + bias - top) / total
-    keep, scale = _keep(key, scores.shape, rate)
+    keep, scale = keep_mask(key, scores.shape, rate)
     g_probs = jnp.where(keep, g.astype(jnp.float32) * scale, 0.0)
     grad = probs * (g_probs - (g_probs * probs).sum(-1, keepdims=True))
     return grad.astype(scores.dtype), None, None
@@ -226,7 +196,7 @@ class Dropout(nnx.Module):
     def __call__(self, x, *, deterministic: bool, rngs) -> jax.Array:
         if deterministic or self.rate == 0.0:
             return x
-        keep, scale = _keep(rngs.dropout(), x.shape, self.rate)
+        keep, scale = keep_mask(rngs.dropout(), x.shape, self.rate)
         return jnp.where(keep, x * scale, jnp.zeros((), x.dtype))
 
 
@@ -304,16 +274,19 @@ class Layer(nnx.Module):
             q_in = jnp.take_along_axis(x, queries[..., None], axis=1)
         # Queries scaled before the product: on scores four times their size, XLA's CPU
         # fusion materialized the scale as a full [batch, heads, q, k] constant.
-        q = self.query(q_in) * (1.0 / math.sqrt(head_dim))
+        # LoRA's dropout draws from `rngs` in training only.
+        lora_rngs = None if deterministic else rngs
+        q = self.query(q_in, lora_rngs) * (1.0 / math.sqrt(head_dim))
         attend = self._attention if queries is None else self._folded_attention
         ctx = attend(x, q, bias, deterministic=deterministic, rngs=rngs)
-        attn = self.dropout(self.attn_out(ctx), deterministic=deterministic, rngs=rngs)
+        attn = self.attn_out(ctx, lora_rngs)
+        attn = self.dropout(attn, deterministic=deterministic, rngs=rngs)
         x = self.attn_norm(q_in + attn)
         # The activation in float32, cast back once: in bfloat16, XLA's CPU backend rounded
         # each of the exact GELU's intermediates and of its gradient's to bfloat16 and back
         # (bench/NOTES.md, attempt 40).
-        h = self.intermediate(x)
-        ff = self.output(self.act(h.astype(jnp.float32)).astype(h.dtype))
+        h = self.intermediate(x, lora_rngs)
+        ff = self.output(self.act(h.astype(jnp.float32)).astype(h.dtype), lora_rngs)
         ff = self.dropout(ff, deterministic=deterministic, rngs=rngs)
         return self.out_norm(x + ff)
 
@@ -330,7 +303,8 @@ class Layer(nnx.Module):
         """Multi-head attention of the (scaled) queries `q` [batch, q, hidden] over `x`."""
         b, nq, h = q.shape
         heads = self.num_heads
-        k, v = self.key(x), self.value(x)
+        lora_rngs = None if deterministic else rngs
+        k, v = self.key(x, lora_rngs), self.value(x, lora_rngs)
         # Head-major [batch, heads, tokens, head_dim] before the products: from the token-major
         # layout XLA's CPU backend computed the probability-value product transposed, more
         # slowly, and copied it back (bench/NOTES.md, attempt 16).
@@ -352,12 +326,14 @@ class Layer(nnx.Module):
         themselves, and q·bk, the same at every position, leaves the softmax unchanged.
         Likewise Σ_j p_j·(x_j·Wv + bv) = (Σ_j p_j·x_j)·Wv + (Σ_j p_j)·bv. For the [CLS] query
         this replaces the key and value products over every position (4·length·hidden² FLOPs
-        a sequence) by 4·length·hidden·heads.
+        a sequence) by 4·length·hidden·heads. A LoRA adapter on the key or value is folded into
+        its weight first (`Projection.effective_weight`), without its dropout: the fold reads
+        the inputs, not the products a dropout would mask.
         """
         b, nq, h = q.shape
         heads, head_dim = self.num_heads, h // self.num_heads
         wk, wv = (
-            d.kernel[...].astype(x.dtype).reshape(h, heads, head_dim)
+            d.effective_weight().astype(x.dtype).reshape(h, heads, head_dim)
             for d in (self.key, self.value)
         )
         folded = jnp.einsum("bqnd,hnd->bnqh", q.reshape(b, nq, heads, head_dim), wk)

@@ -31,7 +31,7 @@ from jax.ad_checkpoint import checkpoint_name
 
 from kubejax.models.kernels import linear, product
 from kubejax.models.partitioning import constrain
-from kubejax.models.quantize import dequantize_kernel
+from kubejax.models.projection import Projection
 
 #: config.json `model_type`s this module runs, and the HF class names written on export.
 FAMILIES = {
@@ -225,36 +225,18 @@ def _ropes(hf, layer_types: list[str]) -> dict[str, Rope]:
 # Layers
 
 
-class Linear(nnx.Module):
+class Linear(Projection):
     """`x @ kernel (+ bias)`, kernel [in, out] in float32, computed in the compute dtype
     through `kernels.linear` (its weight gradient in the form XLA's CPU backend runs fast);
-    with a LoRA adapter (`kubejax.models.lora`) `+ (x @ lora_a) @ lora_b · lora_scale`."""
+    with a LoRA adapter (`Projection.adapt`)."""
 
     def __init__(self, n_in: int, n_out: int, bias: bool, dtype, rngs: nnx.Rngs):
-        init = nnx.initializers.normal(0.02)
-        self.kernel = nnx.Param(init(rngs.params(), (n_in, n_out), jnp.float32))
-        self.bias = nnx.Param(jnp.zeros((n_out,), jnp.float32)) if bias else None
-        self.dtype = dtype
-        # Data, not static structure: `kubejax.models.lora` sets them later (the adapters; for
-        # QLoRA the kernel's codes and scales in place of the kernel).
-        self.lora_a, self.lora_b = nnx.data(None), nnx.data(None)
-        self.lora_scale = 0.0
-        self.qkernel, self.qscale = nnx.data(None), nnx.data(None)
-        self.qtype = ""
+        super().__init__(n_in, n_out, bias, dtype, nnx.initializers.normal(0.02), rngs)
 
-    def weight(self) -> jax.Array:
-        """The kernel [in, out], dequantized when stored quantized (QLoRA's frozen base)."""
-        if self.qkernel is None:
-            return self.kernel[...]
-        return dequantize_kernel(self.qkernel[...], self.qscale[...], self.qtype)
-
-    def __call__(self, x: jax.Array) -> jax.Array:
+    def __call__(self, x: jax.Array, key: jax.Array | None = None) -> jax.Array:
+        """`key`: the LoRA adapter's dropout mask (None: none)."""
         x = x.astype(self.dtype)
-        y = linear(x, self.weight())
-        if self.lora_a is not None:
-            low = product(x, self.lora_a[...].astype(self.dtype)).astype(self.dtype)
-            update = product(low, self.lora_b[...].astype(self.dtype)).astype(jnp.float32)
-            y = (y + update * self.lora_scale).astype(self.dtype)
+        y = self.adapt(x, linear(x, self.weight()), key)
         if self.bias is not None:
             y = (y + self.bias[...]).astype(self.dtype)
         return checkpoint_name(y, "projection")
@@ -346,9 +328,13 @@ class Attention(nnx.Module):
         self.inv_freq = tuple(float(f) for f in cfg.rope[layer_type].inv_freq(d))
         self.scale = cfg.attention_scale
 
-    def __call__(self, x: jax.Array, tokens: Tokens, queries: jax.Array | None) -> jax.Array:
-        """x [batch, length, hidden] → [batch, q, hidden] for the `queries` (None: all)."""
+    def __call__(
+        self, x: jax.Array, tokens: Tokens, queries: jax.Array | None, key: jax.Array | None
+    ) -> jax.Array:
+        """x [batch, length, hidden] → [batch, q, hidden] for the `queries` (None: all);
+        `key`: the LoRA adapters' dropout (None: none)."""
         b, n = x.shape[:2]
+        kq, kk, kv, ko = keys(key, 4)
         q_in = x if queries is None else jnp.take_along_axis(x, queries[..., None], axis=1)
         q_pos = (
             tokens.positions
@@ -357,10 +343,10 @@ class Attention(nnx.Module):
         )
         heads = ("batch", None, "heads", None)
         q = constrain(
-            self.q_proj(q_in).reshape(b, q_in.shape[1], self.heads, self.head_dim), *heads
+            self.q_proj(q_in, kq).reshape(b, q_in.shape[1], self.heads, self.head_dim), *heads
         )
-        k = constrain(self.k_proj(x).reshape(b, n, self.kv_heads, self.head_dim), *heads)
-        v = constrain(self.v_proj(x).reshape(b, n, self.kv_heads, self.head_dim), *heads)
+        k = constrain(self.k_proj(x, kk).reshape(b, n, self.kv_heads, self.head_dim), *heads)
+        v = constrain(self.v_proj(x, kv).reshape(b, n, self.kv_heads, self.head_dim), *heads)
         if self.q_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
         q = rotate(q, q_pos, self.inv_freq) * jnp.asarray(self.scale, q.dtype)
@@ -374,7 +360,7 @@ class Attention(nnx.Module):
         ctx = constrain(
             ctx.reshape(b, q.shape[1], self.heads * self.head_dim), "batch", None, "heads"
         )
-        return self.o_proj(ctx)
+        return self.o_proj(ctx, ko)
 
 
 class MLP(nnx.Module):
@@ -387,10 +373,12 @@ class MLP(nnx.Module):
         self.down_proj = Linear(m, h, bias, dtype, rngs)
         self.act = ACTIVATIONS[cfg.hidden_act]
 
-    def __call__(self, x: jax.Array) -> jax.Array:
+    def __call__(self, x: jax.Array, key: jax.Array | None = None) -> jax.Array:
         mlp = ("batch", None, "mlp")
-        gate = self.act(constrain(self.gate_proj(x), *mlp).astype(jnp.float32)).astype(x.dtype)
-        return self.down_proj(gate * constrain(self.up_proj(x), *mlp))
+        kg, ku, kd = keys(key, 3)
+        gate = self.gate_proj(x, kg)
+        gate = self.act(constrain(gate, *mlp).astype(jnp.float32)).astype(x.dtype)
+        return self.down_proj(gate * constrain(self.up_proj(x, ku), *mlp), kd)
 
 
 class DecoderLayer(nnx.Module):
@@ -407,16 +395,20 @@ class DecoderLayer(nnx.Module):
             self.post_feedforward_layernorm = RMSNorm(cfg.hidden_size, eps, g)
         self.gemma = g
 
-    def __call__(self, x: jax.Array, tokens: Tokens, queries: jax.Array | None) -> jax.Array:
-        """`queries` [batch, q]: compute the outputs at those tokens only (None: all)."""
+    def __call__(
+        self, x: jax.Array, tokens: Tokens, queries: jax.Array | None, key: jax.Array | None
+    ) -> jax.Array:
+        """`queries` [batch, q]: compute the outputs at those tokens only (None: all); `key`:
+        the LoRA adapters' dropout (None: none)."""
+        k_attn, k_mlp = keys(key, 2)
         residual = x if queries is None else jnp.take_along_axis(x, queries[..., None], axis=1)
-        attn = self.self_attn(self.input_layernorm(x), tokens, queries)
+        attn = self.self_attn(self.input_layernorm(x), tokens, queries, k_attn)
         if self.gemma:
             x = residual + self.post_attention_layernorm(attn)
-            ff = self.mlp(self.pre_feedforward_layernorm(x))
+            ff = self.mlp(self.pre_feedforward_layernorm(x), k_mlp)
             return x + self.post_feedforward_layernorm(ff)
         x = residual + attn
-        return x + self.mlp(self.post_attention_layernorm(x))
+        return x + self.mlp(self.post_attention_layernorm(x), k_mlp)
 
 
 class Embedding(nnx.Module):
@@ -443,21 +435,28 @@ class DecoderModel(nnx.Module):
         self.dtype = dtype
         self.remat = "none"
 
-    def __call__(self, ids: jax.Array, tokens: Tokens, last_queries: jax.Array | None):
+    def __call__(
+        self,
+        ids: jax.Array,
+        tokens: Tokens,
+        last_queries: jax.Array | None,
+        key: jax.Array | None = None,
+    ):
         """Final hidden states [batch, length, hidden]; with `last_queries` [batch, q], the last
-        layer computes only those tokens' outputs ([batch, q, hidden])."""
+        layer computes only those tokens' outputs ([batch, q, hidden]). `key`: the LoRA
+        adapters' dropout (None: none)."""
         x = self.embed_tokens(ids)
         if self.embed_scale is not None:
             x = x * jnp.asarray(self.embed_scale, x.dtype)
         last = len(self.layers) - 1
         policy = REMAT_POLICIES[self.remat]
-        for i, layer in enumerate(self.layers):
+        for i, (layer, k) in enumerate(zip(self.layers, keys(key, len(self.layers)), strict=True)):
             queries = last_queries if i == last else None
             x = constrain(x, "batch", None, None)
             if self.remat == "none":
-                x = layer(x, tokens, queries)
+                x = layer(x, tokens, queries, k)
             else:
-                x = _checkpointed(layer, policy)(x, tokens, queries)
+                x = _checkpointed(layer, policy)(x, tokens, queries, k)
         return self.norm(constrain(x, "batch", None, None))
 
 
@@ -468,10 +467,20 @@ def _checkpointed(layer: DecoderLayer, policy):
     pieces)."""
     graphdef, state = nnx.split(layer)
 
-    def run(state, x, tokens, queries):
-        return nnx.merge(graphdef, state)(x, tokens, queries)
+    def run(state, x, tokens, queries, key):
+        return nnx.merge(graphdef, state)(x, tokens, queries, key)
 
     return partial(jax.checkpoint(run, policy=policy), state)
+
+
+def keys(key: jax.Array | None, n: int) -> list[jax.Array | None]:
+    """`n` independent keys of `key` (n Nones for None: no dropout)."""
+    return [None] * n if key is None else list(jax.random.split(key, n))
+
+
+def dropout_key(deterministic: bool, rngs) -> jax.Array | None:
+    """The key of a forward pass's LoRA dropout: None when deterministic or without rngs."""
+    return None if deterministic or rngs is None else rngs.dropout()
 
 
 def tokens_of(attention_mask: jax.Array, positions: jax.Array | None, branches=None) -> Tokens:
@@ -522,10 +531,11 @@ class DecoderClassifier(nnx.Module):
     ):
         """Logits [batch, num_labels] in float32; for packed rows (segment ids in
         `attention_mask`, `positions`, `starts` [batch, n] of the sequences) [batch, n,
-        num_labels]. Decoders have no dropout here (their released configs set none)."""
+        num_labels]. The only dropout is LoRA's (`lora_dropout`), drawn from `rngs` when not
+        `deterministic`: the families' released configs set no other."""
         tokens = tokens_of(attention_mask, positions)
         last = last_tokens(tokens.segments, None if starts is None else starts.shape[1])
-        hidden = self.model(input_ids, tokens, last)
+        hidden = self.model(input_ids, tokens, last, dropout_key(deterministic, rngs))
         logits = self.score(hidden).astype(jnp.float32)
         return logits[:, 0] if starts is None else logits
 
@@ -556,11 +566,22 @@ class DecoderLM(nnx.Module):
         cap = self.config.final_logit_softcapping
         return logits if cap is None else jnp.tanh(logits / cap) * cap
 
-    def __call__(self, input_ids, attention_mask, *, positions=None, branches=None, at=None):
+    def __call__(
+        self,
+        input_ids,
+        attention_mask,
+        *,
+        positions=None,
+        branches=None,
+        at=None,
+        deterministic=True,
+        rngs=None,
+    ):
         """Vocabulary logits [batch, length, vocab] (float32); with `at` [batch, q], only at
-        those tokens ([batch, q, vocab]), the last layer computing those tokens alone."""
+        those tokens ([batch, q, vocab]), the last layer computing those tokens alone. LoRA's
+        dropout is drawn from `rngs` when not `deterministic`."""
         tokens = tokens_of(attention_mask, positions, branches)
-        return self.head(self.model(input_ids, tokens, at))
+        return self.head(self.model(input_ids, tokens, at, dropout_key(deterministic, rngs)))
 
     def label_scores(
         self, input_ids, segments, positions, branches, score_at, score_tokens, score_weights

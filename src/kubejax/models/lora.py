@@ -1,18 +1,21 @@
 """LoRA: low-rank adapters on a model's projections, with PEFT's math, names and files.
 
-`y = base(x) + (x @ A) @ B · alpha / rank`, A [in, rank] Kaiming-uniform (PEFT's
+`y = base(x) + (dropout(x) @ A) @ B · alpha / rank`, A [in, rank] Kaiming-uniform (PEFT's
 `kaiming_uniform_(a=√5)`: U(±1/√in)), B [rank, out] zero, so training starts from the base
-model. The adapters are `nnx.LoRAParam`s on the decoder's own `Linear` layers (`lora_a`,
-`lora_b`), not a wrapper module nor Qwix's interception of every product: the projection
-stays one module whose kernel is the checkpoint's, the trainer splits what trains from what
-stays frozen with one filter (`TRAINABLE`), and the export reads the adapters where the
-checkpoint's names already are. Adapters are replicated on a sharded mesh (rank × (in + out)
-values a projection: well under 1 % of its weight for the usual ranks).
+model. The adapters are `nnx.LoRAParam`s on the models' own projections (`Projection`:
+the decoders' `Linear`, BERT's `Dense`; `lora_a`, `lora_b`), not a wrapper module nor Qwix's
+interception of every product: the projection stays one module whose kernel is the
+checkpoint's, the trainer splits what trains from what stays frozen with one filter
+(`TRAINABLE`), and the export reads the adapters where the checkpoint's names are. Adapters
+are replicated on a sharded mesh (rank × (in + out) values a projection: well under 1 % of its
+weight for the usual ranks). A classifier's head trains whole (PEFT's `modules_to_save`): the
+decoders' `score`; BERT's `classifier` and its `pooler`, which feeds only the head and is
+freshly initialised for checkpoints without one, so the adapter carries it.
 
 Export: `save_adapter` writes PEFT's `adapter_config.json` and `adapter_model.safetensors`
-(`base_model.model.<module>.lora_A.weight` [rank, in], `lora_B.weight` [out, rank], the trained
-head under its own name, metadata `{"format": "pt"}`); `merge` folds each adapter into its
-kernel in float32 for the merged Hugging Face folder.
+(`base_model.model.<module>.lora_A.weight` [rank, in], `lora_B.weight` [out, rank] under the
+Hugging Face module names, the trained head under its own, metadata `{"format": "pt"}`);
+`merge` folds each adapter into its kernel in float32 for the merged Hugging Face folder.
 """
 
 from __future__ import annotations
@@ -25,29 +28,43 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from kubejax.models.decoder import Linear
+from kubejax.models.projection import Projection
 from kubejax.models.quantize import QTYPES, dequantize_kernel, quantize_kernel
 
-#: `lora_targets` shorthands → the projections they name.
-TARGET_GROUPS = {
-    "attention": ("q_proj", "k_proj", "v_proj", "o_proj"),
-    "mlp": ("gate_proj", "up_proj", "down_proj"),
-}
-TARGET_GROUPS["all"] = TARGET_GROUPS["attention"] + TARGET_GROUPS["mlp"]
-#: Heads are trained whole (PEFT's `modules_to_save`), never adapted.
-HEADS = ("score", "lm_head")
+
+def _groups(attention: tuple[str, ...], mlp: tuple[str, ...]) -> dict[str, tuple[str, ...]]:
+    return {"attention": attention, "mlp": mlp, "all": attention + mlp}
+
+
+#: `lora_targets` shorthands → the projections they name, for the decoder families (their
+#: Hugging Face module names) and for BERT (its modules here: `attn_out` is Hugging Face's
+#: `attention.output.dense`, `intermediate` and `output` the MLP's `intermediate.dense` and
+#: `output.dense`).
+TARGET_GROUPS = _groups(
+    ("q_proj", "k_proj", "v_proj", "o_proj"), ("gate_proj", "up_proj", "down_proj")
+)
+BERT_TARGET_GROUPS = _groups(("query", "key", "value", "attn_out"), ("intermediate", "output"))
+#: Heads are never adapted; a classifier's (`TRAINED_HEADS`) train whole (PEFT's
+#: `modules_to_save`), a language model's stays frozen.
+TRAINED_HEADS = ("score", "classifier", "pooler")
+HEADS = (*TRAINED_HEADS, "lm_head")
 
 
 class LoraError(ValueError):
     """A LoRA setting that cannot apply to the model; names the setting."""
 
 
-def target_names(text: str) -> tuple[str, ...]:
+def target_groups(model_type: str) -> dict[str, tuple[str, ...]]:
+    """The `lora_targets` groups of a config.json `model_type`."""
+    return BERT_TARGET_GROUPS if model_type == "bert" else TARGET_GROUPS
+
+
+def target_names(text: str, groups: dict[str, tuple[str, ...]] = TARGET_GROUPS) -> tuple[str, ...]:
     """The projection names of a `lora_targets` setting ("attention", "mlp", "all" or a
-    comma-separated list of names, groups allowed)."""
+    comma-separated list of names, groups allowed) under a family's `groups`."""
     names: list[str] = []
     for part in (p.strip() for p in text.split(",")):
-        for name in TARGET_GROUPS.get(part, (part,)):
+        for name in groups.get(part, (part,)):
             if name and name not in names:
                 names.append(name)
     if not names:
@@ -55,28 +72,34 @@ def target_names(text: str) -> tuple[str, ...]:
     return tuple(names)
 
 
-def _projections(model) -> dict[str, Linear]:
+def _projections(model) -> dict[str, Projection]:
     """Every adaptable projection by its dotted path (heads excluded)."""
     out = {}
     for path, node in nnx.iter_graph(model):
-        if isinstance(node, Linear) and path and path[-1] not in HEADS:
+        if isinstance(node, Projection) and path and path[-1] not in HEADS:
             out[".".join(map(str, path))] = node
     return out
 
 
-def apply(model, rank: int, alpha: float, targets: str, seed: int = 0) -> list[str]:
-    """Add adapters of `rank` to the projections `targets` names; the adapted paths. A target
-    that names no projection of the model is refused naming those that exist."""
+def apply(
+    model, rank: int, alpha: float, targets: str, seed: int = 0, dropout: float = 0.0
+) -> list[str]:
+    """Add adapters of `rank` (their inputs dropped out at rate `dropout` in training) to the
+    projections `targets` names; the adapted paths. A target that names no projection of the
+    model is refused naming those that exist."""
     if rank < 1:
         raise LoraError(f"lora_rank: must be at least 1, got {rank}")
-    names = target_names(targets)
+    if not 0.0 <= dropout < 1.0:
+        raise LoraError(f"lora_dropout: must be in [0, 1), got {dropout}")
+    groups = BERT_TARGET_GROUPS if _is_bert(model) else TARGET_GROUPS
+    names = target_names(targets, groups)
     found = _projections(model)
     kinds = sorted({path.rsplit(".", 1)[-1] for path in found})
     missing = [n for n in names if n not in kinds]
     if missing:
         raise LoraError(
             f"lora_targets: {', '.join(missing)} matches no module of the model; its "
-            f"projections are {', '.join(kinds)} (groups: {', '.join(TARGET_GROUPS)})"
+            f"projections are {', '.join(kinds)} (groups: {', '.join(groups)})"
         )
     key = jax.random.key(seed)
     adapted = []
@@ -89,16 +112,21 @@ def apply(model, rank: int, alpha: float, targets: str, seed: int = 0) -> list[s
         layer.lora_a = nnx.LoRAParam(a)
         layer.lora_b = nnx.LoRAParam(jnp.zeros((rank, n_out), jnp.float32))
         layer.lora_scale = float(alpha) / rank
+        layer.lora_dropout = float(dropout)
         adapted.append(path)
     return adapted
 
 
+def _is_bert(model) -> bool:
+    return getattr(getattr(model, "config", None), "model_type", "") == "bert"
+
+
 #: The filter of what trains under LoRA: the adapters, and a classifier's head (PEFT's
-#: `modules_to_save` for SEQ_CLS).
-TRAINABLE = nnx.Any(nnx.LoRAParam, nnx.PathContains("score"))
+#: `modules_to_save` for SEQ_CLS: the decoders' `score`, BERT's `classifier` and `pooler`).
+TRAINABLE = nnx.Any(nnx.LoRAParam, *(nnx.PathContains(h) for h in TRAINED_HEADS))
 
 
-def adapters(model) -> dict[str, Linear]:
+def adapters(model) -> dict[str, Projection]:
     """The adapted projections by path."""
     return {p: m for p, m in _projections(model).items() if m.lora_a is not None}
 
@@ -112,37 +140,61 @@ def merge(model) -> None:
         kernel = np.asarray(layer.kernel[...], np.float32) + (a @ b) * np.float32(layer.lora_scale)
         layer.kernel = nnx.Param(jnp.asarray(kernel))
         layer.lora_a = layer.lora_b = None
-        layer.lora_scale = 0.0
+        layer.lora_scale = layer.lora_dropout = 0.0
+
+
+def _head_tensors(model) -> tuple[dict[str, np.ndarray], list[str]]:
+    """A classifier's trained head under PEFT's names, and its `modules_to_save`."""
+    if getattr(model, "task", "") != "classification":
+        return {}, []
+
+    def t(var):
+        return np.ascontiguousarray(np.asarray(var[...]).T)
+
+    if not _is_bert(model):
+        return {"base_model.model.score.weight": t(model.score.kernel)}, ["score"]
+    return {
+        "base_model.model.classifier.weight": t(model.classifier.kernel),
+        "base_model.model.classifier.bias": np.asarray(model.classifier.bias[...]),
+        "base_model.model.bert.pooler.dense.weight": t(model.pooler.kernel),
+        "base_model.model.bert.pooler.dense.bias": np.asarray(model.pooler.bias[...]),
+    }, ["classifier", "pooler"]
 
 
 def save_adapter(model, out_dir: Path, base_model: str) -> None:
-    """The adapters (and a classifier's head) as a PEFT LoRA adapter folder."""
+    """The adapters (and a classifier's head) as a PEFT LoRA adapter folder, under the Hugging
+    Face module names of `base_model`'s checkpoint."""
     from safetensors.numpy import save_file
+
+    from kubejax.models.weights import hf_module_names
+
+    hf_names = hf_module_names(model)
 
     found = adapters(model)
     if not found:
         raise LoraError("peft: the model has no LoRA adapter to export")
-    tensors = {}
+    tensors, modules_to_save = _head_tensors(model)
+    modules = []
     for path, layer in found.items():
-        stem = f"base_model.model.{path}"
+        module = hf_names.get(path, path)
+        modules.append(module)
+        stem = f"base_model.model.{module}"
         tensors[f"{stem}.lora_A.weight"] = np.ascontiguousarray(np.asarray(layer.lora_a[...]).T)
         tensors[f"{stem}.lora_B.weight"] = np.ascontiguousarray(np.asarray(layer.lora_b[...]).T)
-    classifier = getattr(model, "task", "") == "classification"
-    if classifier:
-        tensors["base_model.model.score.weight"] = np.ascontiguousarray(
-            np.asarray(model.score.kernel[...]).T
-        )
     any_layer = next(iter(found.values()))
     rank = int(any_layer.lora_a.shape[1])
+    # The decoders' projection names are unique suffixes; BERT's `output.dense` is also the
+    # end of `attention.output.dense`, so its modules are listed by their full names.
+    targets = sorted(set(modules) if hf_names else {m.rsplit(".", 1)[-1] for m in modules})
     config = {
         "peft_type": "LORA",
-        "task_type": "SEQ_CLS" if classifier else "CAUSAL_LM",
+        "task_type": "SEQ_CLS" if modules_to_save else "CAUSAL_LM",
         "r": rank,
         "lora_alpha": any_layer.lora_scale * rank,
-        "target_modules": sorted({p.rsplit(".", 1)[-1] for p in found}),
-        "lora_dropout": 0.0,
+        "target_modules": targets,
+        "lora_dropout": any_layer.lora_dropout,
         "bias": "none",
-        "modules_to_save": ["score"] if classifier else None,
+        "modules_to_save": modules_to_save or None,
         "base_model_name_or_path": base_model,
         "use_rslora": False,
         "fan_in_fan_out": False,

@@ -65,9 +65,11 @@ def path_name(path) -> str:
     """A parameter's dotted path ("model.layers.0.self_attn.q_proj.kernel")."""
     parts = []
     for key in path:
+        if isinstance(key, jax.tree_util.GetAttrKey) and key.name == "value":
+            continue  # a Variable's own array, not a module named `value` (BERT's)
         name = getattr(key, "key", getattr(key, "name", getattr(key, "idx", key)))
         parts.append(str(name))
-    return ".".join(p for p in parts if p != "value")
+    return ".".join(parts)
 
 
 def logical_axes(name: str, ndim: int) -> tuple[str | None, ...]:

@@ -161,6 +161,20 @@ def _param_table(model: BertClassifier) -> Iterator[tuple[nnx.Module, str, str]]
     yield model.pooler, "pooler.dense", "dense"
 
 
+def hf_module_names(model) -> dict[str, str]:
+    """Our dotted module path → the Hugging Face module name, where they differ: BERT's
+    (`bert.layers.0.query` is `bert.encoder.layer.0.attention.self.query`); the decoders'
+    paths are transformers' own, so empty for them."""
+    if not isinstance(model, BertClassifier):
+        return {}
+    hf = {id(module): f"bert.{name}" for module, name, _ in _param_table(model)}
+    return {
+        ".".join(map(str, path)): hf[id(node)]
+        for path, node in nnx.iter_graph(model)
+        if id(node) in hf and path
+    }
+
+
 def _norm_names(tensors: dict, name: str) -> tuple[str, str]:
     if f"{name}.weight" in tensors:
         return f"{name}.weight", f"{name}.bias"

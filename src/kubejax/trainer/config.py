@@ -110,8 +110,12 @@ class TrainConfig:
     lora_alpha: float = _f(32.0, "LoRA: the adapters' scale is lora_alpha / lora_rank (PEFT's)")
     lora_targets: str = _f(
         "attention",
-        "LoRA: the projections adapted: attention (q/k/v/o), mlp (gate/up/down), all, or "
+        "LoRA: the projections adapted: attention (decoders' q/k/v/o_proj, BERT's query, key, "
+        "value, attn_out), mlp (gate/up/down_proj; BERT's intermediate, output), all, or "
         "names such as q_proj,v_proj",
+    )
+    lora_dropout: float = _f(
+        0.0, "LoRA: dropout on the adapters' inputs in training (PEFT's lora_dropout), in [0, 1)"
     )
     optimizer: str = _f("adamw", "adamw, adafactor, lion or sgd (optax)")
     learning_rate: float = _f(5e-5, "peak learning rate")
@@ -257,6 +261,8 @@ class TrainConfig:
             raise ConfigError(f"lora_rank: must be at least 1, got {self.lora_rank}")
         if self.lora_alpha <= 0:
             raise ConfigError(f"lora_alpha: must be positive, got {self.lora_alpha}")
+        if not 0.0 <= self.lora_dropout < 1.0:
+            raise ConfigError(f"lora_dropout: must be in [0, 1), got {self.lora_dropout}")
 
     def _validate_optimizer(self) -> None:
         if self.optimizer not in OPTIMIZERS:

@@ -152,12 +152,12 @@ def plan_memory(
     elems = [(x.size // n, x.ndim) for x, n in zip(jax.tree.leaves(params), shards, strict=True)]
     held = sum(e * (pbytes if nd >= 2 else 4) for e, nd in elems)
     if cfg.peft == "qlora":  # the projections' codes and block scales in place of the kernels
-        held -= _quantized_saving(cfg, params, shards, pbytes)
+        held -= _quantized_saving(cfg, model_cfg, params, shards, pbytes)
     # What trains: everything, or LoRA's adapters (replicated, float32, added to what is held)
     # and a classifier's head (held already).
     trains = elems
     if cfg.peft != "none":
-        adapters, head = _lora_elements(cfg, params)
+        adapters, head = _lora_elements(cfg, model_cfg, params)
         held += sum(e * 4 for e, _ in adapters)
         trains = adapters + head
     trained = sum(e * (pbytes if nd >= 2 and cfg.peft == "none" else 4) for e, nd in trains)
@@ -177,37 +177,48 @@ def plan_memory(
     )
 
 
-def _quantized_saving(cfg: TrainConfig, params, shards: list[int], pbytes: int) -> int:
+def _quantized_saving(cfg: TrainConfig, model_cfg, params, shards: list[int], pbytes: int):
     """Bytes QLoRA saves: each projection kernel's `pbytes` a value replaced by its codes (1
     byte for int8, half for nf4) and its float32 scales, one per block of inputs."""
-    from kubejax.models.lora import HEADS
-    from kubejax.models.partitioning import path_name
     from kubejax.models.quantize import block_size
 
     code = 1.0 if cfg.weight_qtype == "int8" else 0.5
     saved = 0
-    flat = jax.tree_util.tree_flatten_with_path(params)[0]
-    for (path, x), n in zip(flat, shards, strict=True):
-        name = path_name(path)
-        if name.endswith("_proj.kernel") and not name.startswith(HEADS):
+    for (name, x), n in zip(_kernels(model_cfg, params), shards, strict=True):
+        if name:
             scales = x.shape[0] // block_size(x.shape[0]) * x.shape[1] * 4
             saved += int((x.size * (pbytes - code) - scales) // n)
     return saved
 
 
-def _lora_elements(cfg: TrainConfig, params) -> tuple[list, list]:
-    """(elements, ndim) of what trains under LoRA: each adapted kernel's A and B, and the
-    classifier's head."""
-    from kubejax.models.lora import target_names
+def _kernels(model_cfg, params) -> list[tuple[str, object]]:
+    """(the projection's name, or "" for what is not an adaptable projection's kernel, leaf)
+    for every parameter: QLoRA quantizes the named ones, LoRA adapts those it targets."""
+    from kubejax.models.lora import HEADS, target_groups
     from kubejax.models.partitioning import path_name
 
-    names = target_names(cfg.lora_targets)
-    adapters, head = [], []
+    projections = target_groups(model_cfg.model_type)["all"]
+    out = []
     for path, x in jax.tree_util.tree_flatten_with_path(params)[0]:
-        name = path_name(path)
-        if name.startswith("score."):
+        parts = path_name(path).split(".")
+        adaptable = parts[-1] == "kernel" and parts[-2] in projections
+        out.append((parts[-2] if adaptable and not set(parts) & set(HEADS) else "", x))
+    return out
+
+
+def _lora_elements(cfg: TrainConfig, model_cfg, params) -> tuple[list, list]:
+    """(elements, ndim) of what trains under LoRA: each adapted kernel's A and B, and the
+    classifier's head (BERT's with its pooler)."""
+    from kubejax.models.lora import TRAINED_HEADS, target_groups, target_names
+    from kubejax.models.partitioning import path_name
+
+    names = target_names(cfg.lora_targets, target_groups(model_cfg.model_type))
+    adapters, head = [], []
+    flat = jax.tree_util.tree_flatten_with_path(params)[0]
+    for (path, x), (name, _) in zip(flat, _kernels(model_cfg, params), strict=True):
+        if set(path_name(path).split(".")) & set(TRAINED_HEADS):
             head.append((x.size, x.ndim))
-        elif name.endswith(".kernel") and name.split(".")[-2] in names:
+        elif name in names:
             adapters += [(x.shape[0] * cfg.lora_rank, 2), (cfg.lora_rank * x.shape[1], 2)]
     return adapters, head
 
@@ -381,13 +392,11 @@ def check_job(
             f"{err} (replicas {replicas} × devices_per_worker {max(devices_per_worker, 1)})"
         ) from err
     memory = device_memory_of(cfg, node_selector or {})
-    if cfg.peft != "none":
-        _check_lora(cfg)
     if not memory and sizes["tensor"] == 1 and cfg.peft == "none":
         return None, devices
     model_cfg = _model_config(cfg)
-    if cfg.peft != "none" and not weights.is_decoder(model_cfg):
-        raise ConfigError("peft: lora applies to the decoder families; BERT trains in full")
+    if cfg.peft != "none":
+        _check_lora(cfg, model_cfg.model_type)
     try:
         sharding.check_model(model_cfg, sizes)
     except sharding.MeshError as err:
@@ -398,19 +407,19 @@ def check_job(
     return check_fits(cfg, model_cfg, cfg.num_labels or 5, devices, memory), devices
 
 
-def _check_lora(cfg: TrainConfig) -> None:
-    """The LoRA targets against the projections every decoder family has."""
-    from kubejax.models.lora import TARGET_GROUPS, LoraError, target_names
+def _check_lora(cfg: TrainConfig, model_type: str) -> None:
+    """The LoRA targets against the projections of the model's family."""
+    from kubejax.models.lora import LoraError, target_groups, target_names
 
+    groups = target_groups(model_type)
     try:
-        unknown = [n for n in target_names(cfg.lora_targets) if n not in TARGET_GROUPS["all"]]
+        unknown = [n for n in target_names(cfg.lora_targets, groups) if n not in groups["all"]]
     except LoraError as err:
         raise ConfigError(str(err)) from err
     if unknown:
         raise ConfigError(
-            f"lora_targets: {', '.join(unknown)} matches no module of the decoders; their "
-            f"projections are {', '.join(TARGET_GROUPS['all'])} (groups: "
-            f"{', '.join(TARGET_GROUPS)})"
+            f"lora_targets: {', '.join(unknown)} matches no module of the {model_type} model; "
+            f"its projections are {', '.join(groups['all'])} (groups: {', '.join(groups)})"
         )
 
 

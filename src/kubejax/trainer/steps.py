@@ -21,14 +21,20 @@ def loss_fn(graphdef, params, batch, key, deterministic: bool, frozen=None):
     a row counted correct when every token of its answer is the most likely one. `frozen`:
     the parameters that do not train (LoRA's base), beside `params`."""
     model = nnx.merge(graphdef, params) if frozen is None else nnx.merge(graphdef, params, frozen)
+    rngs = None if deterministic else nnx.Rngs(dropout=key)
     if "targets" in batch:
-        logits = model(batch["input_ids"], batch["attention_mask"], at=batch["target_at"])
+        logits = model(
+            batch["input_ids"],
+            batch["attention_mask"],
+            at=batch["target_at"],
+            deterministic=deterministic,
+            rngs=rngs,
+        )
         w = batch["target_weights"]
         ce = optax.softmax_cross_entropy_with_integer_labels(logits, batch["targets"])
         wrong = (jnp.argmax(logits, -1) != batch["targets"]) & (w > 0)
         correct = 1.0 - wrong.any(-1).astype(jnp.float32)
         return (ce * w).sum() / jnp.maximum(w.sum(), 1.0), (correct.mean(), logits)
-    rngs = None if deterministic else nnx.Rngs(dropout=key)
     logits = model(
         batch["input_ids"], batch["attention_mask"], deterministic=deterministic, rngs=rngs
     )
