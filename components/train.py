@@ -33,6 +33,9 @@ def train(
     lora_rank: int = 0,
     lora_alpha: float = 0.0,
     lora_targets: str = "",
+    lora_dropout: float = 0.0,
+    queue_name: str = "",
+    priority_class: str = "",
     image: str = "",
     backend: str = "auto",
     timeout_seconds: int = 86400,
@@ -64,12 +67,18 @@ def train(
             the job starts.
         devices_per_worker: GPUs of each worker pod (its nvidia.com/gpu limit); 0: as the
             task's resources say (one CPU device a worker without GPUs).
-        peft: none (full fine-tuning), lora (adapters on a frozen decoder; the model is the
-            merged one, its PEFT adapter in the folder's `adapter/`) or qlora (LoRA on a base
-            stored quantized, `weight_qtype` nf4 or int8); empty: hyperparameters'.
+        peft: none (full fine-tuning), lora (adapters on a frozen base, decoder or BERT; the
+            model is the merged one, its PEFT adapter in the folder's `adapter/`) or qlora
+            (LoRA on a base stored quantized, `weight_qtype` nf4 or int8); empty:
+            hyperparameters'.
         lora_rank: LoRA's rank (0: hyperparameters' or 16).
         lora_alpha: LoRA's alpha, the adapters' scale being alpha / rank (0: 32).
         lora_targets: Projections adapted: attention, mlp, all or names (empty: attention).
+        lora_dropout: Dropout on the adapters' inputs in training (0: hyperparameters' or 0).
+        queue_name: Kueue LocalQueue of the job(s) (label kueue.x-k8s.io/queue-name): they
+            wait, suspended, until Kueue admits them; their timeout counts from admission.
+            Empty: no queue (Kueue's default LocalQueue, if the namespace has one).
+        priority_class: Kueue WorkloadPriorityClass of the job(s); empty: none.
         image: Image of the worker pods; empty: the kubejax image of this version.
         backend: The engine: `trainjob` (Kubeflow Trainer v2), `jaxjob` (Training Operator
             v1), `kubernetes` (whichever the cluster serves, TrainJob first), `local`, or

@@ -36,6 +36,9 @@ def tune_sweep(
     lora_rank: int = 0,
     lora_alpha: float = 0.0,
     lora_targets: str = "",
+    lora_dropout: float = 0.0,
+    queue_name: str = "",
+    priority_class: str = "",
     image: str = "",
     backend: str = "auto",
     workspace_path: str = "",
@@ -82,6 +85,11 @@ def tune_sweep(
         lora_rank: LoRA's rank of every trial unless searched (0: hyperparameters' or 16).
         lora_alpha: LoRA's alpha unless searched (0: 32).
         lora_targets: LoRA's projections unless searched (empty: attention).
+        lora_dropout: LoRA's dropout unless searched (0: hyperparameters' or 0).
+        queue_name: Kueue LocalQueue of the job(s) (label kueue.x-k8s.io/queue-name): they
+            wait, suspended, until Kueue admits them; their timeout counts from admission.
+            Empty: no queue (Kueue's default LocalQueue, if the namespace has one).
+        priority_class: Kueue WorkloadPriorityClass of the job(s); empty: none.
         image: Image of the trial pods; empty: the kubejax image of this version.
         backend: trainjob, jaxjob, kubernetes (the cluster's engine, TrainJob first), local,
             or auto (kubernetes inside a cluster, else local).

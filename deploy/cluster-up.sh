@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # From nothing to a kubejax pipeline run on a kind cluster (or on the current kubectl context
-# with --existing): a training engine, KFP standalone, an MLflow server, the launcher's RBAC,
-# the MLflow credentials secret, the kubejax image, then one pipeline run.
+# with --existing): a training engine, Kueue with a queue, KFP standalone, an MLflow server, the
+# launcher's RBAC, the MLflow credentials secret, the kubejax image, then one pipeline run whose
+# jobs wait in the Kueue queue.
 #
 #   deploy/cluster-up.sh                                  # Kubeflow Trainer v2 (TrainJob)
 #   deploy/cluster-up.sh --engine training-operator       # Training Operator v1.9 (JAXJob)
@@ -91,10 +92,22 @@ else
   kubectl wait --for=condition=Available deployment/training-operator -n kubeflow --timeout=10m
 fi
 
+step "Kueue $KUEUE_VERSION (TrainJob and JAXJob integrations)"
+kubectl apply --server-side \
+  -f "https://github.com/kubernetes-sigs/kueue/releases/download/$KUEUE_VERSION/manifests.yaml"
+kubectl create configmap kueue-manager-config -n kueue-system \
+  --from-file=controller_manager_config.yaml="$here/kueue/controller_manager_config.yaml" \
+  --dry-run=client -o yaml | kubectl apply -f -
+kubectl rollout restart deployment/kueue-controller-manager -n kueue-system
+kubectl rollout status deployment/kueue-controller-manager -n kueue-system --timeout=10m
+
 step "Kubeflow Pipelines $KFP_VERSION (standalone, with a default workspace volume)"
 kubectl apply -k "github.com/kubeflow/pipelines/manifests/kustomize/cluster-scoped-resources?ref=$KFP_VERSION"
 kubectl wait --for=condition=established --timeout=2m crd/applications.app.k8s.io
 retry kubectl apply -k "$here/kfp"
+
+step "The kubejax Kueue queue (ClusterQueue and LocalQueue kubejax in namespace kubeflow)"
+retry kubectl apply --server-side -f "$here/kueue/queues.yaml"
 
 step "kubejax image $image"
 variant=cpu
@@ -135,6 +148,7 @@ if $submit; then
     --param "max_train_samples=5000"
     --param "max_validation_samples=1000"
     --param "max_test_samples=2000"
+    --param "queue_name=kubejax"
   )
   if $gpu; then
     params+=(

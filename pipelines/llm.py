@@ -75,6 +75,7 @@ def llm_pipeline(
     lora_rank: int = 16,
     lora_alpha: float = 32.0,
     lora_targets: str = "attention",
+    lora_dropout: float = 0.05,
     search_space: str = LLM_SPACE,
     algorithm: str = "tpe",
     objective: str = "eval_accuracy",
@@ -93,6 +94,8 @@ def llm_pipeline(
     mesh: str = "fsdp=-1",
     worker_node_selector: dict = ANY_NODE,
     worker_tolerations: list = NO_TOLERATIONS,
+    queue_name: str = "",
+    priority_class: str = "",
     image: str = IMAGE,
     backend: str = "auto",
     timeout_seconds: int = 86400,
@@ -123,6 +126,7 @@ def llm_pipeline(
         lora_rank: The adapters' rank (a searched lora_rank wins).
         lora_alpha: The adapters' scale is lora_alpha / lora_rank (a searched one wins).
         lora_targets: Projections adapted: attention, mlp, all, or names (q_proj,v_proj).
+        lora_dropout: Dropout on the adapters' inputs in training (PEFT's lora_dropout).
         search_space: JSON search space over trainer settings (learning_rate, lora_rank,
             lora_alpha, lora_targets, optimizer, ...) and resources (`replicas`,
             `devices_per_worker`); trials whose memory plan does not fit are skipped.
@@ -146,6 +150,8 @@ def llm_pipeline(
         worker_node_selector: Node labels every worker pod requires (a GPU pool's; its
             `nvidia.com/gpu.product` gives the memory plan the GPU's memory).
         worker_tolerations: Tolerations of every worker pod.
+        queue_name: Kueue LocalQueue of every training and trial job (see kubejax-yelp).
+        priority_class: Kueue WorkloadPriorityClass of those jobs.
         image: The kubejax image of every step and worker.
         backend: auto, trainjob, jaxjob, kubernetes or local.
         timeout_seconds: Limit of the final training job.
@@ -169,9 +175,10 @@ def llm_pipeline(
         seed=seed,
     )
     adapters = {"peft": peft, "lora_rank": lora_rank, "lora_alpha": lora_alpha,
-                "lora_targets": lora_targets}  # fmt: skip
+                "lora_targets": lora_targets, "lora_dropout": lora_dropout}  # fmt: skip
     placement = {"worker_node_selector": worker_node_selector,
                  "worker_tolerations": worker_tolerations}  # fmt: skip
+    queue = {"queue_name": queue_name, "priority_class": priority_class}
     common = {"base_model": base_model, "image": image, "backend": backend,
               "mlflow_tracking_uri": mlflow_tracking_uri,
               "mlflow_experiment": mlflow_experiment}  # fmt: skip
@@ -179,6 +186,7 @@ def llm_pipeline(
         prep.outputs["dataset"],
         trial_gpus_per_worker=trial_gpus_per_worker,
         **placement,
+        **queue,
         **common,
         **adapters,
         search_space=search_space,
@@ -197,6 +205,7 @@ def llm_pipeline(
     evaluated = _train_and_evaluate(
         prep.outputs["dataset"],
         **placement,
+        **queue,
         **common,
         **adapters,
         hyperparameters=train_hyperparameters,

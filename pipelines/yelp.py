@@ -191,6 +191,8 @@ def yelp_pipeline(
     mesh: str = "",
     worker_node_selector: dict = ANY_NODE,
     worker_tolerations: list = NO_TOLERATIONS,
+    queue_name: str = "",
+    priority_class: str = "",
     image: str = IMAGE,
     backend: str = "auto",
     timeout_seconds: int = 86400,
@@ -242,6 +244,9 @@ def yelp_pipeline(
             {"nvidia.com/gpu.present": "true"} for a GPU node pool.
         worker_tolerations: Tolerations of every training and trial worker pod, e.g.
             [{"key": "nvidia.com/gpu", "operator": "Exists", "effect": "NoSchedule"}].
+        queue_name: Kueue LocalQueue of every training and trial job: they wait, suspended,
+            for Kueue to admit them, and their timeouts count from admission; empty: none.
+        priority_class: Kueue WorkloadPriorityClass of those jobs; empty: none.
         image: The kubejax image of every step and worker.
         backend: The engine of the training jobs: auto (in a cluster, the one it serves,
             TrainJob first; elsewhere local), trainjob, jaxjob, kubernetes or local.
@@ -270,6 +275,8 @@ def yelp_pipeline(
         trial_gpus_per_worker=trial_gpus_per_worker,
         worker_node_selector=worker_node_selector,
         worker_tolerations=worker_tolerations,
+        queue_name=queue_name,
+        priority_class=priority_class,
         base_model=base_model,
         search_space=search_space,
         hyperparameters=trial_hyperparameters,
@@ -298,6 +305,8 @@ def yelp_pipeline(
         gpus_per_worker=gpus_per_worker,
         worker_node_selector=worker_node_selector,
         worker_tolerations=worker_tolerations,
+        queue_name=queue_name,
+        priority_class=priority_class,
         image=image,
         backend=backend,
         timeout_seconds=timeout_seconds,
@@ -329,6 +338,8 @@ def train_eval_pipeline(
     mesh: str = "",
     worker_node_selector: dict = ANY_NODE,
     worker_tolerations: list = NO_TOLERATIONS,
+    queue_name: str = "",
+    priority_class: str = "",
     image: str = IMAGE,
     backend: str = "auto",
     timeout_seconds: int = 86400,
@@ -358,6 +369,8 @@ def train_eval_pipeline(
             kubejax-yelp); empty: data-parallel.
         worker_node_selector: Node labels every worker pod requires (see kubejax-yelp).
         worker_tolerations: Tolerations of every worker pod (see kubejax-yelp).
+        queue_name: Kueue LocalQueue of the training job (see kubejax-yelp).
+        priority_class: Kueue WorkloadPriorityClass of the training job.
         image: The kubejax image.
         backend: auto, trainjob, jaxjob, kubernetes or local (see kubejax-yelp).
         timeout_seconds: Limit of the training job.
@@ -388,6 +401,8 @@ def train_eval_pipeline(
         gpus_per_worker=gpus_per_worker,
         worker_node_selector=worker_node_selector,
         worker_tolerations=worker_tolerations,
+        queue_name=queue_name,
+        priority_class=priority_class,
         image=image,
         backend=backend,
         timeout_seconds=timeout_seconds,

@@ -25,9 +25,13 @@ VERSIONS = dict(
     for line in (DEPLOY / "versions.env").read_text().splitlines()
     if line and not line.startswith("#")
 )
-#: Files that are not Kubernetes objects: kustomize's and kind's own configuration.
-NOT_OBJECTS = {"kustomization.yaml", "kind-config.yaml"}
-MANIFESTS = sorted(p for p in DEPLOY.rglob("*.yaml") if p.name not in NOT_OBJECTS)
+#: Files that are not Kubernetes objects: kustomize's, kind's and Kueue's own configuration.
+NOT_OBJECTS = {"kustomization.yaml", "kind-config.yaml", "controller_manager_config.yaml"}
+#: Kueue's objects (their CRDs are not the core schemas kubernetes-validate holds).
+KUEUE_OBJECTS = DEPLOY / "kueue" / "queues.yaml"
+MANIFESTS = sorted(
+    p for p in DEPLOY.rglob("*.yaml") if p.name not in NOT_OBJECTS and p != KUEUE_OBJECTS
+)
 # The quickstart's scripts and the GPU benchmark's.
 SCRIPTS = [*sorted(DEPLOY.glob("*.sh")), ROOT / "bench" / "gpu.sh"]
 
@@ -47,6 +51,7 @@ def test_every_version_is_pinned_once_in_versions_env():
         "TRAINER_VERSION",
         "TRAINING_OPERATOR_VERSION",
         "KFP_VERSION",
+        "KUEUE_VERSION",
     }
     assert VERSIONS["KIND_NODE_IMAGE"].endswith(f":v{VERSIONS['KUBERNETES_VERSION']}")
     assert VERSIONS["TRAINER_VERSION"] == "v2.3.0" and VERSIONS["KFP_VERSION"] == "2.17.0"
@@ -71,6 +76,27 @@ def test_manifest_validates_against_the_pinned_kubernetes_schemas(path):
         assert doc["metadata"].get("namespace") in (None, "kubeflow") or doc["kind"].startswith(
             "Cluster"
         )
+
+
+def test_the_kueue_queue_and_integrations_are_what_kubejax_jobs_need():
+    """The LocalQueue the quickstart's run names (kubejax, in the pipelines' namespace) backed
+    by a ClusterQueue over the resources worker pods request; TrainJob and JAXJob managed."""
+    docs = {d["kind"]: d for d in yaml.safe_load_all(KUEUE_OBJECTS.read_text())}
+    assert {d["apiVersion"] for d in docs.values()} == {"kueue.x-k8s.io/v1beta2"}
+    local, cluster = docs["LocalQueue"], docs["ClusterQueue"]
+    assert local["metadata"] == {"name": "kubejax", "namespace": "kubeflow"}
+    assert local["spec"]["clusterQueue"] == cluster["metadata"]["name"]
+    group = cluster["spec"]["resourceGroups"][0]
+    assert group["coveredResources"] == ["cpu", "memory", "nvidia.com/gpu"]
+    (flavor,) = group["flavors"]
+    assert flavor["name"] == docs["ResourceFlavor"]["metadata"]["name"]
+    assert [r["name"] for r in flavor["resources"]] == group["coveredResources"]
+    config = yaml.safe_load((DEPLOY / "kueue" / "controller_manager_config.yaml").read_text())
+    assert config["apiVersion"] == "config.kueue.x-k8s.io/v1beta2"
+    frameworks = config["integrations"]["frameworks"]
+    assert {"trainer.kubeflow.org/trainjob", "kubeflow.org/jaxjob"} <= set(frameworks)
+    script = (DEPLOY / "cluster-up.sh").read_text()
+    assert "$KUEUE_VERSION" in script and '"queue_name=kubejax"' in script
 
 
 def test_a_broken_manifest_is_caught():

@@ -15,7 +15,7 @@ from kubejax.jobs.client import JAXJobClient, JobFailedError
 from kubejax.jobs.launch import run_job
 from kubejax.jobs.spec import JAXJobSpec
 from kubejax.version import IMAGE, IMAGE_REPOSITORY, __version__
-from tests.jobs.fake_k8s import FakeKubernetes, condition
+from tests.jobs.fake_k8s import FakeKubernetes, condition, resumed
 
 ROOT = Path(__file__).parents[1]
 PYPROJECT = tomllib.loads((ROOT / "pyproject.toml").read_text())
@@ -99,7 +99,7 @@ def test_the_wheel_holds_every_module_and_the_compiled_pipelines(tmp_path):
 
 #: Discovery (/apis/<group>/<version>) is open to every authenticated user (system:discovery).
 _DISCOVERY = ("/apis/kubeflow.org/v1", "/apis/trainer.kubeflow.org/v1alpha1")
-_RESOURCES = ("jaxjobs", "trainjobs", "clustertrainingruntimes", "pods")
+_RESOURCES = ("jaxjobs", "trainjobs", "clustertrainingruntimes", "workloads", "pods")
 
 
 def _verb(method: str, path: str) -> tuple[str, str] | None:
@@ -133,11 +133,14 @@ def _granted() -> set[tuple[str, str]]:
 
 ENGINE_SCRIPTS = {
     "jaxjob": (
-        [[condition("Created")], [condition("Created"), condition("Succeeded")]],
+        [
+            [condition("Created"), condition("Suspended")],  # held by Kueue: its Workload read
+            [condition("Created"), resumed(), condition("Succeeded")],
+        ],
         [[condition("Created"), condition("Failed", "X", "y")]],
     ),
     "trainjob": (
-        [[], [condition("Complete", kind="TrainJob")]],
+        [[condition("Suspended", kind="TrainJob")], [condition("Complete", kind="TrainJob")]],
         [[condition("Failed", "X", "y", kind="TrainJob")]],
     ),
 }

@@ -100,6 +100,17 @@ def _job_options(q) -> None:
     q.add_argument("--gpus", type=int, default=0, help="nvidia.com/gpu per worker")
     q.add_argument("--tpus", type=int, default=0, help="google.com/tpu per worker")
     q.add_argument("--env", action="append", default=[], metavar="NAME=VALUE")
+    _queue_options(q)
+
+
+def _queue_options(q) -> None:
+    q.add_argument(
+        "--queue-name",
+        default="",
+        help="Kueue LocalQueue (label kueue.x-k8s.io/queue-name): the job waits, suspended, "
+        "until Kueue admits it; its timeout counts from admission",
+    )
+    q.add_argument("--priority-class", default="", help="Kueue WorkloadPriorityClass")
 
 
 def _add_render_and_launch(sub) -> None:
@@ -219,6 +230,8 @@ def _spec_from_args(args):
         restart_policy=args.restart_policy,
         backoff_limit=args.backoff_limit,
         active_deadline_seconds=args.active_deadline,
+        queue_name=args.queue_name,
+        priority_class=args.priority_class,
     )
 
 
@@ -292,6 +305,7 @@ def _add_tune(sub) -> None:
         "(ask the cluster, TrainJob first)",
     )
     p.add_argument("--image", default=IMAGE)
+    _queue_options(p)
     p.add_argument("--mlflow-tracking-uri", default="")
     p.add_argument("--mlflow-experiment", default="kubejax")
     p.set_defaults(func=_tune)
@@ -327,6 +341,8 @@ def _tune(args) -> int:
         backend=args.backend,
         mlflow_tracking_uri=args.mlflow_tracking_uri,
         mlflow_experiment=args.mlflow_experiment,
+        queue_name=args.queue_name,
+        priority_class=args.priority_class,
     )
     write_trials(result, out / "trials.json")
     write_report(result, cfg, out / "report.html")

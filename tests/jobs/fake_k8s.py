@@ -4,7 +4,9 @@ It records every request and plays a scripted list of status transitions: each G
 moves it one step along `script` (the last step repeats). It answers API discovery for the
 engines in `served`, and ClusterTrainingRuntime reads for the names in `runtimes`. Pods exist
 once the job does (`<job>-worker-<i>` for a JAXJob, `<job>-node-0-<i>-x` with the JobSet and
-completion-index labels for a TrainJob); their log is `log_lines`.
+completion-index labels for a TrainJob); their log is `log_lines`. Jobs get a uid; while a
+job's step has a true `Suspended` condition, its Kueue Workload (listed by the job-uid label)
+says `queue_reason`; a TrainJob's status carries `trainer_status` while it runs.
 """
 
 from __future__ import annotations
@@ -28,6 +30,16 @@ DISCOVERY = {
     ),
 }
 PODS = re.compile(r"^/api/v1/namespaces/([^/]+)/pods(?:/([^/]+))?(/log)?$")
+WORKLOADS = re.compile(r"^/apis/kueue\.x-k8s\.io/v1beta2/namespaces/([^/]+)/workloads$")
+
+
+def _suspended(conditions: list[dict]) -> bool:
+    return any(c["type"] == "Suspended" and c["status"] == "True" for c in conditions)
+
+
+def resumed(kind: str = "JAXJob") -> dict:
+    """The `Suspended` condition once Kueue has admitted the job."""
+    return {**condition("Suspended", "Resumed", f"{kind} resumed", kind), "status": "False"}
 
 
 def condition(type_: str, reason: str = "", message: str = "", kind: str = "JAXJob") -> dict:
@@ -50,8 +62,11 @@ class FakeKubernetes:
         failed_pod: int | None = None,
         served: tuple[str, ...] = ("jaxjob",),
         runtimes: tuple[str, ...] = ("jax-distributed",),
+        queue_reason: tuple[str, str] = ("Pending", "waiting for quota"),
+        trainer_status: dict | None = None,
     ):
         self.served, self.runtimes = served, runtimes
+        self.queue_reason, self.trainer_status = queue_reason, trainer_status
         self.script = script or (
             [[], [], [condition("Complete", kind="TrainJob")]]
             if served == ("trainjob",)
@@ -111,6 +126,7 @@ class FakeKubernetes:
                                 "status": "Failure",
                             },
                         )
+                    body["metadata"]["uid"] = f"uid-{name}"
                     fake.jobs[name] = body
                     fake.steps[name] = 0
                 self._send(201, body)
@@ -143,6 +159,9 @@ class FakeKubernetes:
                 m = RUNTIMES.match(url.path)
                 if m and "trainjob" in fake.served and m.group(1) in fake.runtimes:
                     return self._send(200, {"kind": "ClusterTrainingRuntime", "metadata": {}})
+                if WORKLOADS.match(url.path):
+                    selector = parse_qs(url.query).get("labelSelector", [""])[0]
+                    return self._send(200, {"items": fake.workloads(selector.split("=")[-1])})
                 m = PODS.match(url.path)
                 if m and m.group(2) is None:
                     selector = parse_qs(url.query).get("labelSelector", [""])[0]
@@ -182,6 +201,8 @@ class FakeKubernetes:
                 "conditions": conditions,
                 "jobsStatus": [{"name": "node", "active": 0 if done else 1}],
             }
+            if self.trainer_status and not done and not _suspended(conditions):
+                obj["status"]["trainerStatus"] = self.trainer_status
         else:
             obj["status"] = {
                 "conditions": conditions,
@@ -230,6 +251,19 @@ class FakeKubernetes:
             }
             for i in range(n)
         ]
+
+    def workloads(self, uid: str) -> list[dict]:
+        """Kueue's Workload of the job with `uid`: QuotaReserved false while it is suspended."""
+        name = uid.removeprefix("uid-")
+        if name not in self.jobs:
+            return []
+        step = self.script[min(max(self.steps[name] - 1, 0), len(self.script) - 1)]
+        reserved = not _suspended(step)
+        reason, message = self.queue_reason
+        cond = {"type": "QuotaReserved", "status": str(reserved),
+                "reason": "QuotaReserved" if reserved else reason, "message": message}  # fmt: skip
+        return [{"metadata": {"labels": {"kueue.x-k8s.io/job-uid": uid}},
+                 "status": {"conditions": [cond]}}]  # fmt: skip
 
     def count(self, method: str, fragment: str = "") -> int:
         return sum(1 for m, p in self.requests if m == method and fragment in p)

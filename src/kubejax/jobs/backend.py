@@ -38,6 +38,10 @@ class Backend(ABC):
         """Poll until the job's state is in `status` or it has finished."""
         return poll_until(lambda: self.get_job(name), status, timeout, polling_interval, callback)
 
+    def queue_reason(self, status: JobStatus) -> str:
+        """Why a suspended job waits (its Kueue Workload's reason); '' when unknown."""
+        return ""
+
     @abstractmethod
     def get_job_logs(self, name: str, follow: bool = False, worker: int = 0) -> Iterator[str]:
         """Log lines of one worker; with `follow`, until it ends."""

@@ -157,6 +157,10 @@ class JAXJobClient:
             name, set(status), timeout, self.poll_interval(polling_interval), callback
         )
 
+    def queue_reason(self, status: JobStatus) -> str:
+        """Why a suspended job waits in Kueue ('' when no Workload says)."""
+        return self._backend.queue_reason(status)
+
     def get_job_logs(self, name: str, follow: bool = False, worker: int = 0) -> Iterator[str]:
         """Log lines of one worker (default 0); with `follow`, until it ends."""
         return self._backend.get_job_logs(name, follow=follow, worker=worker)

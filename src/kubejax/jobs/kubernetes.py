@@ -14,6 +14,7 @@ import time
 from collections.abc import Iterator
 from pathlib import Path
 
+from kubejax.jobs import kueue
 from kubejax.jobs.backend import Backend
 from kubejax.jobs.spec import API_VERSION, KIND, PLURAL, JAXJobSpec, build_manifest
 from kubejax.jobs.types import JobStatus
@@ -128,7 +129,11 @@ class KubernetesBackend(Backend):
             obj["metadata"]["name"],
             list(status.get("conditions") or []),
             dict(status.get("replicaStatuses") or {}),
+            uid=obj["metadata"].get("uid", ""),
         )
+
+    def queue_reason(self, status: JobStatus) -> str:
+        return kueue.workload_reason(self.sdk.custom_api, self.namespace, status.uid)
 
     def get_job(self, name: str) -> JobStatus:
         from kubernetes.client.rest import ApiException

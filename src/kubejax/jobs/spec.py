@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from kubejax.errors import KubejaxError
+from kubejax.jobs import kueue
 
 API_VERSION = "kubeflow.org/v1"
 KIND = "JAXJob"
@@ -102,6 +103,9 @@ class JAXJobSpec:
     service_account: str | None = None
     port: int = DEFAULT_PORT
     working_dir: str | None = None
+    #: Kueue's LocalQueue and WorkloadPriorityClass for the job (`kubejax.jobs.kueue`).
+    queue_name: str = ""
+    priority_class: str = ""
 
     def __post_init__(self):
         if (
@@ -135,6 +139,11 @@ class JAXJobSpec:
                 raise SpecError(f"{name}: must be a non-negative integer, got {v!r}")
         if not 1 <= self.port <= 65535:
             raise SpecError(f"port: {self.port} is not a TCP port")
+        for setting in ("queue_name", "priority_class"):
+            try:
+                kueue.check_name(setting, getattr(self, setting))
+            except ValueError as err:
+                raise SpecError(str(err)) from err
         self.command = [str(c) for c in self.command]
         self.args = [str(a) for a in self.args]
         self.env = env_list(self.env)
@@ -151,12 +160,13 @@ def job_labels(spec: JAXJobSpec) -> dict[str, str]:
 
 
 def job_metadata(spec: JAXJobSpec) -> dict:
-    """The metadata of the job object (JAXJob or TrainJob)."""
+    """The metadata of the job object (JAXJob or TrainJob): its labels are its pods' and
+    Kueue's (the queue and priority are the job's, not the pods')."""
     return drop_empty(
         {
             "name": spec.name,
             "namespace": spec.namespace,
-            "labels": job_labels(spec),
+            "labels": {**job_labels(spec), **kueue.labels(spec.queue_name, spec.priority_class)},
             "annotations": dict(spec.annotations),
         }
     )

@@ -12,6 +12,7 @@ from __future__ import annotations
 import time
 from collections.abc import Iterator
 
+from kubejax.jobs import kueue
 from kubejax.jobs.backend import Backend
 from kubejax.jobs.kubernetes import api_client, default_namespace, stream_lines
 from kubejax.jobs.spec import JAXJobSpec
@@ -50,7 +51,13 @@ def trainjob_status(obj: dict) -> JobStatus:
         j.get("name", "node"): {k: j.get(k, 0) for k in ("active", "succeeded", "failed")}
         for j in jobs
     }
-    return JobStatus(obj["metadata"]["name"], conditions, replicas)
+    return JobStatus(
+        obj["metadata"]["name"],
+        conditions,
+        replicas,
+        uid=obj["metadata"].get("uid", ""),
+        progress=dict(status.get("trainerStatus") or {}),
+    )
 
 
 class TrainJobBackend(Backend):
@@ -124,6 +131,9 @@ class TrainJobBackend(Backend):
             if err.status == _NOT_FOUND:
                 raise KeyError(f"TrainJob {self.namespace}/{name} not found") from err
             raise
+
+    def queue_reason(self, status: JobStatus) -> str:
+        return kueue.workload_reason(self.custom, self.namespace, status.uid)
 
     def list_jobs(self) -> list[JobStatus]:
         items = self.custom.list_namespaced_custom_object(

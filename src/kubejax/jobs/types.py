@@ -37,11 +37,14 @@ class JobFailedError(RuntimeError):
 
 @dataclass
 class JobStatus:
-    """A job's state as the operator reports it."""
+    """A job's state as the operator reports it; `uid` the object's (its Kueue Workload's
+    label); `progress` a TrainJob's `status.trainerStatus` (what its trainer reported)."""
 
     name: str
     conditions: list[dict] = field(default_factory=list)
     replica_statuses: dict = field(default_factory=dict)
+    uid: str = ""
+    progress: dict = field(default_factory=dict)
 
     @property
     def state(self) -> str:

@@ -47,7 +47,7 @@ def check_hyperparameters(params: dict[str, Any]) -> TrainConfig:
 
 #: Trainer settings a component takes as parameters of their own (beside `hyperparameters`):
 #: an empty string or 0 leaves the hyperparameters' value (or the trainer's default).
-SETTING_PARAMS = ("mesh", "peft", "lora_rank", "lora_alpha", "lora_targets")
+SETTING_PARAMS = ("mesh", "peft", "lora_rank", "lora_alpha", "lora_targets", "lora_dropout")
 
 
 def with_settings(hyperparameters: dict, **settings) -> dict:
@@ -97,11 +97,14 @@ def build_train_spec(
     annotations: dict[str, str] | None = None,
     extra_env: dict[str, str] | None = None,
     devices_per_worker: int = 0,
+    queue_name: str = "",
+    priority_class: str = "",
 ) -> JAXJobSpec:
     """The job that trains with `hyperparameters` on `data_dir` into `output_dir`, each of its
     `replicas` pods with `devices_per_worker` GPUs (the `nvidia.com/gpu` limit; 0: as the
-    task's resources say). Refused before submission when its mesh does not fit the devices or
-    its memory plan the device (`kubejax.trainer.plan.check_job`)."""
+    task's resources say), in Kueue's `queue_name` at `priority_class` when set. Refused
+    before submission when its mesh does not fit the devices or its memory plan the device
+    (`kubejax.trainer.plan.check_job`)."""
     params = {**hyperparameters, "data_dir": data_dir, "output_dir": output_dir}
     cfg = check_hyperparameters(params)
     pod = task_config_fields(task_config)
@@ -121,6 +124,8 @@ def build_train_spec(
         active_deadline_seconds=active_deadline_seconds,
         labels=labels or {},
         annotations=annotations or {},
+        queue_name=queue_name,
+        priority_class=priority_class,
         **pod,
     )
 

@@ -51,6 +51,8 @@ def trainer_trial_spec(
     trial_timeout: float = 3600.0,
     extra_env: dict[str, str] | None = None,
     devices_per_worker: int = 0,
+    queue_name: str = "",
+    priority_class: str = "",
 ) -> TrialSpecFactory:
     """Trial jobs that train with the fixed `hyperparameters` plus the trial's params; a
     `replicas` or `devices_per_worker` param sets the trial's resources instead."""
@@ -82,6 +84,8 @@ def trainer_trial_spec(
             labels={"kubejax.dev/sweep": "true"},
             extra_env=extra_env,
             devices_per_worker=int(params.get("devices_per_worker", devices_per_worker)),
+            queue_name=queue_name,
+            priority_class=priority_class,
         )
 
     return make
@@ -102,10 +106,14 @@ def sweep_with_jaxjobs(
     mlflow_experiment: str = "kubejax",
     tags: dict | None = None,
     workspace: str = "",
+    queue_name: str = "",
+    priority_class: str = "",
     log: Callable[[str], None] = print,
 ) -> tuple[SweepResult, str]:
     """A sweep whose trials train the kubejax trainer; an MLflow parent run with one nested
-    run per trial. Returns the result and the parent run id ('' without tracking)."""
+    run per trial. Returns the result and the parent run id ('' without tracking). With a
+    Kueue `queue_name` every trial job waits in that queue: up to `parallelism` are submitted
+    and Kueue admits those its quota holds (`max_workers` is then Kueue's to enforce)."""
     # The fixed settings, and each dimension at its lower end, before anything is created.
     lowest = lowest_point(cfg.space)
     point = {k: v for k, v in lowest.items() if k not in RESOURCE_PARAMS}
@@ -134,6 +142,8 @@ def sweep_with_jaxjobs(
         trial_timeout=cfg.trial_timeout,
         extra_env=worker_env(workspace, tracker.tracking_uri or ""),
         devices_per_worker=devices_per_worker,
+        queue_name=queue_name,
+        priority_class=priority_class,
     )
     status = "FAILED"
     try:
@@ -231,6 +241,9 @@ def sweep_task(
     lora_rank: int = 0,
     lora_alpha: float = 0.0,
     lora_targets: str = "",
+    lora_dropout: float = 0.0,
+    queue_name: str = "",
+    priority_class: str = "",
     image: str = "",
     backend: str = "auto",
     workspace_path: str = "",
@@ -277,6 +290,7 @@ def sweep_task(
                 lora_rank=lora_rank,
                 lora_alpha=lora_alpha,
                 lora_targets=lora_targets,
+                lora_dropout=lora_dropout,
             ),
             "model": base_model,
         },
@@ -289,6 +303,8 @@ def sweep_task(
         mlflow_experiment=mlflow_experiment,
         tags={"kfp.run_id": run_id, "kfp.task_name": task_name},
         workspace=workspace_path,
+        queue_name=queue_name,
+        priority_class=priority_class,
         log=log_to_stdout,
     )
     write_trials(result, trials_path)

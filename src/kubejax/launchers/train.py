@@ -66,6 +66,8 @@ def train_with_jaxjob(
     restart_policy: str = "OnFailure",
     backoff_limit: int = 3,
     delete: str = "on_success",
+    queue_name: str = "",
+    priority_class: str = "",
     log=print,
 ) -> dict:
     """Run training as a job and put the final model folder at `model_path`.
@@ -102,6 +104,8 @@ def train_with_jaxjob(
         annotations=annotations,
         extra_env=worker_env(workspace, tracking.resolve_uri(mlflow_tracking_uri)),
         devices_per_worker=devices_per_worker,
+        queue_name=queue_name,
+        priority_class=priority_class,
     )
     log(f"kubejax: launching {client.kind} {name} ({replicas} worker(s), {client.engine} engine)")
     run_job(client, spec, timeout=timeout + 60, delete=delete, log=log)

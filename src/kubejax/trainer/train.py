@@ -41,6 +41,7 @@ from kubejax.trainer.compile_cache import use_user_dir
 from kubejax.trainer.config import ConfigError, TrainConfig
 from kubejax.trainer.outputs import ADAPTER_DIR, METRICS_FILE, MODEL_DIR, UNDELIVERED_FILE
 from kubejax.trainer.steps import make_eval_step, make_train_step
+from kubejax.trainer.trainer_status import StatusReporter
 
 log = logging.getLogger("kubejax.trainer")
 
@@ -121,18 +122,18 @@ def classifier_for(
     if weights.is_decoder(model_cfg):
         model.model.remat = cfg.remat
     if cfg.peft != "none":
-        _add_adapters(cfg, model, model_cfg)
+        _add_adapters(cfg, model)
     tokenizer_dir = Path(cfg.tokenizer) if cfg.tokenizer else model_dir
     if tokenizer_dir is not None and not tokenizer_dir.is_dir():
         tokenizer_dir = weights.resolve_model_dir(str(tokenizer_dir))
     return model, tokenizer_dir, fresh
 
 
-def _add_adapters(cfg: TrainConfig, model, model_cfg) -> None:
-    if not weights.is_decoder(model_cfg):
-        raise ConfigError("peft: lora applies to the decoder families; BERT trains in full")
+def _add_adapters(cfg: TrainConfig, model) -> None:
     try:
-        lora.apply(model, cfg.lora_rank, cfg.lora_alpha, cfg.lora_targets, cfg.seed)
+        lora.apply(
+            model, cfg.lora_rank, cfg.lora_alpha, cfg.lora_targets, cfg.seed, cfg.lora_dropout
+        )
         if cfg.peft == "qlora":
             lora.quantize(model, cfg.weight_qtype)
     except lora.LoraError as err:
@@ -518,6 +519,8 @@ class Progress:
         self.cfg, self.out, self.tracker, self.sampler = cfg, out, tracker, sampler
         self.total_steps, self.host_lr, self.history = total_steps, host_lr, history
         self.is_main = jax.process_index() == 0
+        # A TrainJob's progress in its status, where Trainer asks for it (worker 0 only).
+        self.status = StatusReporter.from_env() if self.is_main else None
         self.pending = None
         self.window = {"t": time.monotonic(), "examples": 0, "tokens": 0.0, "steps": 0}
 
@@ -559,6 +562,9 @@ class Progress:
         self.history["train"].append(row)
         self.tracker.log_metrics({k: v for k, v in row.items() if k != "step"}, step=done)
         eta = (self.total_steps - done) * dt / w["steps"]
+        if self.status is not None:
+            shown = ("loss", "accuracy", "learning_rate", "examples_per_s")
+            self.status.update(done, self.total_steps, eta, {k: row[k] for k in shown})
         self.say(
             f"step {done}/{self.total_steps} | loss {m['loss']:.4f} | lr {row['learning_rate']:.2e}"
             f" | {row['examples_per_s']:.1f} ex/s | {row['tokens_per_s']:.0f} tok/s"
@@ -583,6 +589,9 @@ class Progress:
         self.history["evals"].append(result)
         self.tracker.log_metrics({k: v for k, v in result.items() if k != "step"}, step=step)
         self.write("running", step)
+        if self.status is not None:
+            figures = {k: v for k, v in result.items() if k.startswith("eval_")}
+            self.status.update(step, self.total_steps, None, figures)
         self.say(
             f"eval step {step}: loss {result['eval_loss']:.4f} "
             f"accuracy {result['eval_accuracy']:.4f}"
@@ -619,6 +628,13 @@ class Progress:
         for name, fig in figures.items():
             self.tracker.log_figure(fig, f"training/{name}")
         report.close(figures.values())
+
+    def completed(self, step: int, final: dict, final_eval: dict) -> None:
+        """metrics.json's last state, and the TrainJob's last progress (100 %)."""
+        self.write("completed", step, final)
+        if self.status is not None:
+            evals = {k: v for k, v in final_eval.items() if k.startswith("eval_")}
+            self.status.finish(step, {"loss": final["train_loss"], **evals})
 
     def write(self, status: str, step: int, final: dict | None = None) -> None:
         """metrics.json, replaced atomically (process 0 only)."""
@@ -829,7 +845,7 @@ def train_and_evaluate(cfg: TrainConfig) -> dict:
             export_model(cfg, graphdef, (params, frozen), data, tokenizer_dir, tracker)
         if jax.process_index() == 0:
             progress.log_final(final)
-        progress.write("completed", final_step, final)
+        progress.completed(final_step, final, final_eval)
         status = "FINISHED"
         return final
     finally:

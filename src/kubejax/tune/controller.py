@@ -22,7 +22,7 @@ import optuna
 from kubejax import tracking
 from kubejax.errors import InfeasibleError
 from kubejax.flags import setting as _f
-from kubejax.jobs.client import FAILED, SUCCEEDED, JAXJobClient
+from kubejax.jobs.client import FAILED, SUCCEEDED, SUSPENDED, JAXJobClient
 from kubejax.jobs.launch import delete_on_sigterm
 from kubejax.jobs.spec import JAXJobSpec, job_name
 from kubejax.tune.space import (
@@ -141,9 +141,10 @@ class _Active:
     trial: optuna.Trial
     name: str
     output_dir: str
-    started: float  # time.monotonic(), for the trial timeout
+    started: float  # time.monotonic(), for the trial timeout (from admission, under Kueue)
     workers: int = 1
     reported: int = 0  # eval records already reported
+    queued: bool = False  # held by Kueue when last looked at
 
 
 class Controller:
@@ -249,7 +250,9 @@ class Controller:
                 self.pending = (trial, params, spec, out_dir)
             trial, params, spec, out_dir = self.pending
             budget = self.cfg.max_workers
-            if budget and self.workers_in_use() + spec.replicas > budget:
+            # Trials in a Kueue queue are all submitted: Kueue admits what its quota holds.
+            over = budget and self.workers_in_use() + spec.replicas > budget
+            if over and not spec.queue_name:
                 return
             self.pending = None
             self.start(trial, params, spec, out_dir)
@@ -302,6 +305,16 @@ class Controller:
                 self.finish(number, optuna.trial.TrialState.PRUNED, reason=f"at step {rec['step']}")
                 return
         status = self.client.get_job(a.name)
+        if status.state == SUSPENDED:  # waiting in Kueue: the trial's clock has not started
+            a.started = time.monotonic()
+            if not a.queued:
+                reason = self.client.queue_reason(status)
+                self.log(f"sweep: trial {number} queued" + (f": {reason}" if reason else ""))
+            a.queued = True
+            return
+        if a.queued:
+            self.log(f"sweep: trial {number} admitted")
+            a.queued = False
         if status.state == SUCCEEDED:
             value = metrics.get("final", {}).get(self.cfg.objective)
             if value is None and evals:
