@@ -20,6 +20,7 @@ def tune_sweep(
     hyperparameters: dict = {},
     objective: str = "eval_accuracy",
     direction: str = "maximize",
+    tuner: str = "optuna",
     algorithm: str = "tpe",
     max_trials: int = 8,
     parallelism: int = 2,
@@ -67,7 +68,11 @@ def tune_sweep(
         hyperparameters: Fixed trainer settings for every trial (e.g. max_steps, eval_every).
         objective: Eval metric to optimise (eval_accuracy or eval_loss).
         direction: maximize or minimize.
-        algorithm: grid, random, tpe or cmaes.
+        tuner: optuna (the study runs in this step) or katib (a Katib Experiment of the same
+            trial jobs, watched in the Kubeflow dashboard; it outlives the step, which
+            re-attaches to it after a retry and deletes it when the run is cancelled).
+        algorithm: grid, random, tpe or cmaes; with katib also multivariate-tpe,
+            bayesianoptimization or hyperband (with an int max_steps dimension).
         max_trials: Trials in the study in all (a retried task counts the earlier ones).
         parallelism: Trials running at once.
         max_workers: Workers all running trials may use together; a trial that would exceed

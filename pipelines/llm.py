@@ -77,6 +77,7 @@ def llm_pipeline(
     lora_targets: str = "attention",
     lora_dropout: float = 0.05,
     search_space: str = LLM_SPACE,
+    tuner: str = "optuna",
     algorithm: str = "tpe",
     objective: str = "eval_accuracy",
     direction: str = "maximize",
@@ -130,7 +131,10 @@ def llm_pipeline(
         search_space: JSON search space over trainer settings (learning_rate, lora_rank,
             lora_alpha, lora_targets, optimizer, ...) and resources (`replicas`,
             `devices_per_worker`); trials whose memory plan does not fit are skipped.
-        algorithm: grid, random, tpe or cmaes.
+        tuner: optuna (the study runs in the sweep step) or katib (a Katib Experiment of the
+            same trial jobs; needs Katib ≥ 0.19 on the cluster).
+        algorithm: grid, random, tpe or cmaes; with katib also multivariate-tpe,
+            bayesianoptimization or hyperband.
         objective: eval_accuracy or eval_loss.
         direction: maximize (eval_accuracy) or minimize (eval_loss).
         max_trials: Trials in the sweep.
@@ -193,6 +197,7 @@ def llm_pipeline(
         hyperparameters=trial_hyperparameters,
         objective=objective,
         direction=direction,
+        tuner=tuner,
         algorithm=algorithm,
         max_trials=max_trials,
         parallelism=parallelism,

@@ -174,6 +174,7 @@ def yelp_pipeline(
     max_validation_samples: int = 10000,
     max_test_samples: int = 0,
     search_space: str = DEFAULT_SPACE,
+    tuner: str = "optuna",
     algorithm: str = "tpe",
     objective: str = "eval_accuracy",
     direction: str = "maximize",
@@ -221,7 +222,10 @@ def yelp_pipeline(
         search_space: JSON search space over trainer settings (optimizer, learning_rate,
             global_batch_size, ...) and `replicas` (workers per trial); "when" makes a
             dimension conditional.
-        algorithm: grid, random, tpe or cmaes.
+        tuner: optuna (the study runs in the sweep step) or katib (a Katib Experiment of the
+            same trial jobs; needs Katib ≥ 0.19 on the cluster).
+        algorithm: grid, random, tpe or cmaes; with katib also multivariate-tpe,
+            bayesianoptimization or hyperband.
         objective: eval_accuracy or eval_loss.
         direction: maximize (eval_accuracy) or minimize (eval_loss).
         max_trials: Trials in the sweep.
@@ -282,6 +286,7 @@ def yelp_pipeline(
         hyperparameters=trial_hyperparameters,
         objective=objective,
         direction=direction,
+        tuner=tuner,
         algorithm=algorithm,
         max_trials=max_trials,
         parallelism=parallelism,

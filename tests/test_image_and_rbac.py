@@ -14,6 +14,7 @@ from packaging.version import Version
 from kubejax.jobs.client import JAXJobClient, JobFailedError
 from kubejax.jobs.launch import run_job
 from kubejax.jobs.spec import JAXJobSpec
+from kubejax.tune import SweepError
 from kubejax.version import IMAGE, IMAGE_REPOSITORY, __version__
 from tests.jobs.fake_k8s import FakeKubernetes, condition, resumed
 
@@ -99,7 +100,9 @@ def test_the_wheel_holds_every_module_and_the_compiled_pipelines(tmp_path):
 
 #: Discovery (/apis/<group>/<version>) is open to every authenticated user (system:discovery).
 _DISCOVERY = ("/apis/kubeflow.org/v1", "/apis/trainer.kubeflow.org/v1alpha1")
-_RESOURCES = ("jaxjobs", "trainjobs", "clustertrainingruntimes", "workloads", "pods")
+_RESOURCES = (
+    "jaxjobs", "trainjobs", "clustertrainingruntimes", "workloads", "experiments", "trials", "pods"
+)  # fmt: skip
 
 
 def _verb(method: str, path: str) -> tuple[str, str] | None:
@@ -172,7 +175,38 @@ def _requests_of(engine: str) -> set[tuple[str, str]]:
     return used
 
 
-def test_fake_rbac_roles_grant_exactly_what_the_launcher_uses_on_both_engines():
+def _katib_requests(tmp_path) -> set[tuple[str, str]]:
+    """The (resource, verb) pairs of a sweep run as a Katib Experiment, then re-attached."""
+    from kubejax import tracking
+    from kubejax.launchers.katib import sweep_with_katib
+    from kubejax.launchers.sweep import trainer_trial_spec
+    from kubejax.tune import SweepConfig, katib
+    from tests.test_katib import DONE, TRIALS
+
+    space = {"learning_rate": {"type": "float", "low": 1e-5, "high": 1e-3}}
+    cfg = SweepConfig(space=space, tuner="katib", study_name="sweep-a", poll_seconds=0.05)
+    factory = trainer_trial_spec(
+        image="i", replicas=1, data_dir="/d", hyperparameters={"model": "m"}
+    )
+    script = [{}, DONE]
+    with FakeKubernetes(
+        served=("trainjob",), experiment_script=script, katib_trials=TRIALS
+    ) as fake:
+        client = JAXJobClient(
+            "kubernetes", namespace="ns", client_configuration=fake.client_configuration()
+        )
+        for _ in range(2):
+            with contextlib.suppress(SweepError):  # the trials left no metrics here
+                sweep_with_katib(cfg, factory, client, str(tmp_path), tracker=tracking.Tracker(),
+                                 replicas=1, log=lambda _: None)  # fmt: skip
+        # What a cancelled run does (SIGTERM: tests/test_katib.py).
+        katib.KatibRun(*client.custom_objects(), "sweep-a").delete()
+        return {v for m, p in fake.requests if (v := _verb(m, p)) is not None}
+
+
+def test_fake_rbac_roles_grant_exactly_what_the_launcher_uses_on_both_engines(tmp_path):
     jaxjob, trainjob = _requests_of("jaxjob"), _requests_of("trainjob")
     assert {r for r, _ in jaxjob} >= {"jaxjobs"} and {r for r, _ in trainjob} >= {"trainjobs"}
-    assert jaxjob | trainjob == _granted()
+    katib = _katib_requests(tmp_path)
+    assert {r for r, _ in katib} == {"experiments", "trials"}
+    assert jaxjob | trainjob | katib == _granted()

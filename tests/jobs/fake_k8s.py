@@ -6,7 +6,9 @@ engines in `served`, and ClusterTrainingRuntime reads for the names in `runtimes
 once the job does (`<job>-worker-<i>` for a JAXJob, `<job>-node-0-<i>-x` with the JobSet and
 completion-index labels for a TrainJob); their log is `log_lines`. Jobs get a uid; while a
 job's step has a true `Suspended` condition, its Kueue Workload (listed by the job-uid label)
-says `queue_reason`; a TrainJob's status carries `trainer_status` while it runs.
+says `queue_reason`; a TrainJob's status carries `trainer_status` while it runs. Katib: a
+created Experiment moves one step along `experiment_script` (statuses) at each GET; its Trials
+are `katib_trials`.
 """
 
 from __future__ import annotations
@@ -30,6 +32,9 @@ DISCOVERY = {
     ),
 }
 PODS = re.compile(r"^/api/v1/namespaces/([^/]+)/pods(?:/([^/]+))?(/log)?$")
+KATIB = re.compile(
+    r"^/apis/kubeflow\.org/v1beta1/namespaces/([^/]+)/(experiments|trials)(?:/([^/]+))?$"
+)
 WORKLOADS = re.compile(r"^/apis/kueue\.x-k8s\.io/v1beta2/namespaces/([^/]+)/workloads$")
 
 
@@ -64,7 +69,13 @@ class FakeKubernetes:
         runtimes: tuple[str, ...] = ("jax-distributed",),
         queue_reason: tuple[str, str] = ("Pending", "waiting for quota"),
         trainer_status: dict | None = None,
+        experiment_script: list[dict] | None = None,
+        katib_trials: list[dict] | None = None,
     ):
+        self.experiment_script = experiment_script or [{}]
+        self.katib_trials = katib_trials or []
+        self.experiments: dict[str, dict] = {}
+        self.on_experiment = None  # called with each created Experiment (a trial's doings)
         self.served, self.runtimes = served, runtimes
         self.queue_reason, self.trainer_status = queue_reason, trainer_status
         self.script = script or (
@@ -115,6 +126,11 @@ class FakeKubernetes:
                 body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
                 fake.bodies.append(body)
                 name = body["metadata"]["name"]
+                if KATIB.match(urlparse(self.path).path):
+                    fake.experiments[name] = {**body, "step": 0}
+                    if fake.on_experiment is not None:
+                        fake.on_experiment(body)
+                    return self._send(201, body)
                 with fake.lock:
                     if name in fake.jobs:
                         return self._send(
@@ -133,6 +149,9 @@ class FakeKubernetes:
 
             def do_DELETE(self):
                 fake.record("DELETE", self.path)
+                k = KATIB.match(urlparse(self.path).path)
+                if k and fake.experiments.pop(k.group(3), None) is not None:
+                    return self._send(200, {"kind": "Status", "status": "Success"})
                 m = JOBS.match(urlparse(self.path).path)
                 with fake.lock:
                     if not m or m.group(2) not in fake.jobs:
@@ -159,6 +178,11 @@ class FakeKubernetes:
                 m = RUNTIMES.match(url.path)
                 if m and "trainjob" in fake.served and m.group(1) in fake.runtimes:
                     return self._send(200, {"kind": "ClusterTrainingRuntime", "metadata": {}})
+                k = KATIB.match(url.path)
+                if k and k.group(2) == "trials":
+                    return self._send(200, {"items": fake.katib_trials})
+                if k and k.group(3) in fake.experiments:
+                    return self._send(200, fake.experiment(k.group(3)))
                 if WORKLOADS.match(url.path):
                     selector = parse_qs(url.query).get("labelSelector", [""])[0]
                     return self._send(200, {"items": fake.workloads(selector.split("=")[-1])})
@@ -251,6 +275,13 @@ class FakeKubernetes:
             }
             for i in range(n)
         ]
+
+    def experiment(self, name: str) -> dict:
+        with self.lock:
+            exp = self.experiments[name]
+            status = self.experiment_script[min(exp["step"], len(self.experiment_script) - 1)]
+            exp["step"] += 1
+        return {**{k: v for k, v in exp.items() if k != "step"}, "status": status}
 
     def workloads(self, uid: str) -> list[dict]:
         """Kueue's Workload of the job with `uid`: QuotaReserved false while it is suspended."""

@@ -169,6 +169,13 @@ class JAXJobClient:
         """Delete the job and its workers."""
         self._backend.delete_job(name)
 
+    def custom_objects(self):
+        """(kubernetes CustomObjectsApi, namespace) of a cluster backend, for the objects that
+        sit beside its jobs (Katib's Experiments); ValueError on the local backend."""
+        if not self.on_cluster:
+            raise ValueError(f"backend: {self.engine} has no Kubernetes API")
+        return self._backend.custom, self._backend.namespace
+
     def close(self) -> None:
         """Release the backend (the local one stops every job it started)."""
         self._backend.close()

@@ -95,6 +95,7 @@ class KubernetesBackend(Backend):
             namespace=self.namespace,
             job_kind=KIND,
         )
+        self.custom = self.sdk.custom_api
 
     def _get(self, name: str) -> dict:
         return self.sdk.custom_api.get_namespaced_custom_object(

@@ -32,14 +32,25 @@ DELETE_POLICIES = ("always", "on_success", "never")
 @contextlib.contextmanager
 def delete_on_sigterm(client: JAXJobClient, names: Callable[[], list[str]]) -> Iterator[None]:
     """While inside, SIGTERM deletes the jobs `names()` returns, then exits with 143."""
+
+    def cleanup():
+        for name in names():
+            with contextlib.suppress(Exception):
+                client.delete_job(name)
+
+    with on_sigterm(cleanup):
+        yield
+
+
+@contextlib.contextmanager
+def on_sigterm(cleanup: Callable[[], None]) -> Iterator[None]:
+    """While inside, SIGTERM (a cancelled KFP run) calls `cleanup`, then exits with 143."""
     if threading.current_thread() is not threading.main_thread():
         yield
         return
 
     def handler(signum, frame):
-        for name in names():
-            with contextlib.suppress(Exception):
-                client.delete_job(name)
+        cleanup()
         sys.exit(128 + signum)
 
     previous = signal.signal(signal.SIGTERM, handler)

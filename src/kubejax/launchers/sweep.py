@@ -28,6 +28,8 @@ from kubejax.launchers.common import (
     with_settings,
     worker_env,
 )
+from kubejax.launchers.katib import sweep_with_katib
+from kubejax.tune import katib
 from kubejax.tune.controller import (
     SweepConfig,
     SweepResult,
@@ -115,6 +117,10 @@ def sweep_with_jaxjobs(
     Kueue `queue_name` every trial job waits in that queue: up to `parallelism` are submitted
     and Kueue admits those its quota holds (`max_workers` is then Kueue's to enforce)."""
     # The fixed settings, and each dimension at its lower end, before anything is created.
+    client = JAXJobClient(backend)
+    if cfg.tuner == "katib":
+        katib.check_sweep(cfg, client.engine)
+        hyperparameters = {**hyperparameters, "katib_metrics": True}
     lowest = lowest_point(cfg.space)
     point = {k: v for k, v in lowest.items() if k not in RESOURCE_PARAMS}
     checked = check_hyperparameters({**hyperparameters, **point})
@@ -147,9 +153,12 @@ def sweep_with_jaxjobs(
     )
     status = "FAILED"
     try:
-        result = tune(
-            cfg, factory, trials_root, client=JAXJobClient(backend), tracker=tracker, log=log
-        )
+        if cfg.tuner == "katib":
+            result = sweep_with_katib(
+                cfg, factory, client, trials_root, tracker=tracker, replicas=replicas, log=log
+            )
+        else:
+            result = tune(cfg, factory, trials_root, client=client, tracker=tracker, log=log)
         _record_best(tracker, result, trials_root)
         figures = sweep_figures(result, cfg)
         for name, fig in figures.items():
@@ -225,6 +234,7 @@ def sweep_task(
     hyperparameters: dict | None = None,
     objective: str = "eval_accuracy",
     direction: str = "maximize",
+    tuner: str = "optuna",
     algorithm: str = "tpe",
     max_trials: int = 8,
     parallelism: int = 2,
@@ -265,6 +275,7 @@ def sweep_task(
         space=search_space,
         objective=objective,
         direction=direction,
+        tuner=tuner,
         algorithm=algorithm,
         max_trials=max_trials,
         parallelism=parallelism,

@@ -117,6 +117,11 @@ class TrainConfig:
     lora_dropout: float = _f(
         0.0, "LoRA: dropout on the adapters' inputs in training (PEFT's lora_dropout), in [0, 1)"
     )
+    katib_metrics: bool = _f(
+        False,
+        "worker 0 prints each evaluation as name=value lines (eval_accuracy=0.61 eval_loss=1.2) "
+        "for Katib's StdOut metrics collector (set by tuner katib)",
+    )
     optimizer: str = _f("adamw", "adamw, adafactor, lion or sgd (optax)")
     learning_rate: float = _f(5e-5, "peak learning rate")
     b1: float | None = _f(None, "first-moment decay of adamw/lion; default: optax's (0.9, 0.9)")

@@ -596,6 +596,8 @@ class Progress:
             f"eval step {step}: loss {result['eval_loss']:.4f} "
             f"accuracy {result['eval_accuracy']:.4f}"
         )
+        if self.cfg.katib_metrics:  # Katib's StdOut collector: name=value, one line an eval
+            self.say(" ".join(f"{k}={v:.6g}" for k, v in result.items() if k.startswith("eval_")))
         return result
 
     def last_eval(self, step: int) -> dict | None:

@@ -25,6 +25,7 @@ from kubejax.flags import setting as _f
 from kubejax.jobs.client import FAILED, SUCCEEDED, SUSPENDED, JAXJobClient
 from kubejax.jobs.launch import delete_on_sigterm
 from kubejax.jobs.spec import JAXJobSpec, job_name
+from kubejax.tune.katib import ALGORITHMS as KATIB_ALGORITHMS
 from kubejax.tune.space import (
     ALGORITHMS,
     PRUNERS,
@@ -38,6 +39,7 @@ from kubejax.tune.space import (
 )
 
 DIRECTIONS = ("maximize", "minimize")
+TUNERS = ("optuna", "katib")
 POLL_SECONDS = 5.0
 JOB_ATTR, OUTPUT_ATTR, STEPS_ATTR = "kubejax_job", "kubejax_output", "kubejax_steps"
 #: Workers of a trial's job, and when it started and ended (seconds since the epoch).
@@ -62,7 +64,16 @@ class SweepConfig:
     )
     objective: str = _f("eval_accuracy", "a key of the trials' eval records to optimise")
     direction: str = _f("maximize", "maximize or minimize")
-    algorithm: str = _f("tpe", "grid, random, tpe or cmaes")
+    tuner: str = _f(
+        "optuna",
+        "optuna (the study runs in the sweep step) or katib (a Katib Experiment on the cluster, "
+        "whose trials are the same jobs)",
+    )
+    algorithm: str = _f(
+        "tpe",
+        "grid, random, tpe or cmaes; with tuner katib also multivariate-tpe, "
+        "bayesianoptimization or hyperband",
+    )
     max_trials: int = _f(8, "trials in the study, counting those of earlier attempts")
     parallelism: int = _f(2, "trials running at once")
     max_workers: int = _f(
@@ -81,11 +92,18 @@ class SweepConfig:
         self.space = parse_space(self.space)
         if self.direction not in DIRECTIONS:
             raise SweepError(f"direction: {self.direction!r} is not one of {', '.join(DIRECTIONS)}")
-        if self.algorithm not in ALGORITHMS:
-            raise SweepError(f"algorithm: {self.algorithm!r} is not one of {', '.join(ALGORITHMS)}")
+        if self.tuner not in TUNERS:
+            raise SweepError(f"tuner: {self.tuner!r} is not one of {', '.join(TUNERS)}")
+        algorithms = KATIB_ALGORITHMS if self.tuner == "katib" else ALGORITHMS
+        if self.algorithm not in algorithms:
+            raise SweepError(
+                f"algorithm: {self.algorithm!r} is not one of {', '.join(algorithms)}"
+                + (" (Katib's)" if self.tuner == "katib" else "")
+            )
         if self.pruner not in PRUNERS:
             raise SweepError(f"pruner: {self.pruner!r} is not one of {', '.join(PRUNERS)}")
-        make_sampler(self.algorithm, self.space, self.seed)  # the space suits the algorithm
+        if self.tuner == "optuna":
+            make_sampler(self.algorithm, self.space, self.seed)  # the space suits it
         for name in ("max_trials", "parallelism"):
             if int(getattr(self, name)) < 1:
                 raise SweepError(f"{name}: must be at least 1, got {getattr(self, name)}")
