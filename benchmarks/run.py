@@ -71,6 +71,7 @@ BENCHMARKS = {
     "fsdp": bench_decoder.fsdp_vs_dp,
     "fsdp_cap": bench_decoder.largest_under_cap,
     "lora": bench_decoder.lora_vs_peft,
+    "pbt": bench_sweep.pbt_vs_tpe,
 }
 
 

@@ -29,6 +29,9 @@ def tune_sweep(
     trial_timeout_seconds: int = 3600,
     pruner: str = "median",
     pruner_min_steps: int = 1,
+    scheduler: str = "none",
+    pbt_mutations: str = "learning_rate",
+    perturbation_interval: int = 0,
     seed: int = 0,
     replicas: int = 1,
     mesh: str = "",
@@ -68,9 +71,10 @@ def tune_sweep(
         hyperparameters: Fixed trainer settings for every trial (e.g. max_steps, eval_every).
         objective: Eval metric to optimise (eval_accuracy or eval_loss).
         direction: maximize or minimize.
-        tuner: optuna (the study runs in this step) or katib (a Katib Experiment of the same
+        tuner: optuna (the study runs in this step), katib (a Katib Experiment of the same
             trial jobs, watched in the Kubeflow dashboard; it outlives the step, which
-            re-attaches to it after a retry and deletes it when the run is cancelled).
+            re-attaches to it after a retry and deletes it when the run is cancelled) or ray
+            (Ray Tune in this step, for its ASHA and PBT schedulers).
         algorithm: grid, random, tpe or cmaes; with katib also multivariate-tpe,
             bayesianoptimization or hyperband (with an int max_steps dimension).
         max_trials: Trials in the study in all (a retried task counts the earlier ones).
@@ -81,6 +85,11 @@ def tune_sweep(
         trial_timeout_seconds: Per-trial limit.
         pruner: none, median, successive_halving or hyperband (fed by the trials' evals).
         pruner_min_steps: No pruning before this eval step.
+        scheduler: tuner ray: none, asha (stops weak trials early) or pbt (Population Based
+            Training: the weakest trials restart from the best ones' checkpoints with mutated
+            settings; needs eval_every in the hyperparameters).
+        pbt_mutations: tuner ray, pbt: the searched settings PBT mutates, comma-separated.
+        perturbation_interval: tuner ray, pbt: training steps between exploits (0: eval_every).
         seed: Sampler seed.
         replicas: Workers per trial (unless the search space has `replicas`).
         mesh: Device mesh of every trial (see the train component), e.g. "fsdp=-1".

@@ -78,6 +78,7 @@ def llm_pipeline(
     lora_dropout: float = 0.05,
     search_space: str = LLM_SPACE,
     tuner: str = "optuna",
+    scheduler: str = "none",
     algorithm: str = "tpe",
     objective: str = "eval_accuracy",
     direction: str = "maximize",
@@ -131,8 +132,10 @@ def llm_pipeline(
         search_space: JSON search space over trainer settings (learning_rate, lora_rank,
             lora_alpha, lora_targets, optimizer, ...) and resources (`replicas`,
             `devices_per_worker`); trials whose memory plan does not fit are skipped.
-        tuner: optuna (the study runs in the sweep step) or katib (a Katib Experiment of the
-            same trial jobs; needs Katib ≥ 0.19 on the cluster).
+        tuner: optuna (the study runs in the sweep step), katib (a Katib Experiment of the
+            same trial jobs; needs Katib ≥ 0.19 on the cluster) or ray (Ray Tune in the sweep
+            step, for its schedulers).
+        scheduler: tuner ray: none, asha or pbt (PBT mutates the learning rate).
         algorithm: grid, random, tpe or cmaes; with katib also multivariate-tpe,
             bayesianoptimization or hyperband.
         objective: eval_accuracy or eval_loss.
@@ -198,6 +201,7 @@ def llm_pipeline(
         objective=objective,
         direction=direction,
         tuner=tuner,
+        scheduler=scheduler,
         algorithm=algorithm,
         max_trials=max_trials,
         parallelism=parallelism,

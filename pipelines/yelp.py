@@ -175,6 +175,7 @@ def yelp_pipeline(
     max_test_samples: int = 0,
     search_space: str = DEFAULT_SPACE,
     tuner: str = "optuna",
+    scheduler: str = "none",
     algorithm: str = "tpe",
     objective: str = "eval_accuracy",
     direction: str = "maximize",
@@ -222,8 +223,10 @@ def yelp_pipeline(
         search_space: JSON search space over trainer settings (optimizer, learning_rate,
             global_batch_size, ...) and `replicas` (workers per trial); "when" makes a
             dimension conditional.
-        tuner: optuna (the study runs in the sweep step) or katib (a Katib Experiment of the
-            same trial jobs; needs Katib ≥ 0.19 on the cluster).
+        tuner: optuna (the study runs in the sweep step), katib (a Katib Experiment of the
+            same trial jobs; needs Katib ≥ 0.19 on the cluster) or ray (Ray Tune in the sweep
+            step, for its schedulers).
+        scheduler: tuner ray: none, asha or pbt (PBT mutates the learning rate).
         algorithm: grid, random, tpe or cmaes; with katib also multivariate-tpe,
             bayesianoptimization or hyperband.
         objective: eval_accuracy or eval_loss.
@@ -287,6 +290,7 @@ def yelp_pipeline(
         objective=objective,
         direction=direction,
         tuner=tuner,
+        scheduler=scheduler,
         algorithm=algorithm,
         max_trials=max_trials,
         parallelism=parallelism,

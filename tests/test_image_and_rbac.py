@@ -30,9 +30,11 @@ def test_image_python_is_allowed_by_pyproject():
 
 
 def test_image_installs_the_package_with_pyprojects_pins():
-    # The image installs `.[server]` (or `.[cuda,server]`), so every version comes from
-    # pyproject.toml; any explicit pin in the Dockerfile must satisfy pyproject's range.
-    assert 'pip install ".[server]"' in DOCKERFILE and 'pip install ".[cuda,server]"' in DOCKERFILE
+    # The image installs `.[server,ray]` (or `.[cuda,server,ray]`), so every version comes
+    # from pyproject.toml; any explicit pin in the Dockerfile must satisfy pyproject's range.
+    assert 'pip install ".[server,ray]"' in DOCKERFILE
+    assert 'pip install ".[cuda,server,ray]"' in DOCKERFILE
+    assert PYPROJECT["project"]["optional-dependencies"]["ray"] == ["ray[tune]==2.60.0"]
     server = PYPROJECT["project"]["optional-dependencies"]["server"]
     mlflow = next(d for d in PYPROJECT["project"]["dependencies"] if d.startswith("mlflow>="))
     assert server == [mlflow.replace("mlflow", "mlflow[auth]", 1)]

@@ -76,6 +76,7 @@ class FakeKubernetes:
         self.katib_trials = katib_trials or []
         self.experiments: dict[str, dict] = {}
         self.on_experiment = None  # called with each created Experiment (a trial's doings)
+        self.on_job = None  # called with each created job (what its trainer would write)
         self.served, self.runtimes = served, runtimes
         self.queue_reason, self.trainer_status = queue_reason, trainer_status
         self.script = script or (
@@ -145,6 +146,8 @@ class FakeKubernetes:
                     body["metadata"]["uid"] = f"uid-{name}"
                     fake.jobs[name] = body
                     fake.steps[name] = 0
+                if fake.on_job is not None:
+                    fake.on_job(body)
                 self._send(201, body)
 
             def do_DELETE(self):

@@ -492,6 +492,34 @@ def test_resume_refuses_a_checkpoint_of_another_optimizer(
     assert "optimizer: 'lion', but the checkpoint at step 2" in err and "'adamw'" in err
 
 
+def test_resume_takes_this_runs_learning_rate_schedule_and_weight_decay(
+    tmp_path, tiny_model_dir, prepared
+):
+    """What a PBT restart relies on: resumed from the same checkpoint, a run follows its own
+    learning-rate schedule from the resumed step and its own weight decay (the optimizer's
+    moments as saved): two resumes that differ only in weight_decay end on different weights,
+    two with the same settings on the same ones."""
+    import shutil
+
+    flags = {"max_steps": 6, "checkpoint_every": 3, "schedule": "constant", "warmup_ratio": 0.0,
+             "save_final": False, "learning_rate": 1e-3}  # fmt: skip
+    first = tmp_path / "first"
+    assert trainer_main(tiny_args(tiny_model_dir, prepared, first, **flags, weight_decay=0.0)) == 0
+    losses = {}
+    for name, lr, wd in (("a", 3e-3, 0.0), ("b", 3e-3, 0.5), ("c", 3e-3, 0.0)):
+        out = tmp_path / name
+        shutil.copytree(first / "checkpoints" / "3", out / "checkpoints" / "3")
+        run = {**flags, "learning_rate": lr, "weight_decay": wd}
+        assert trainer_main(tiny_args(tiny_model_dir, prepared, out, **run)) == 0
+        rows = json.loads((out / "metrics.json").read_text())["train"]
+        assert [r["step"] for r in rows][-3:] == [4, 5, 6]
+        assert all(r["learning_rate"] == pytest.approx(lr) for r in rows if r["step"] > 3)
+        losses[name] = [r["loss"] for r in rows if r["step"] > 3]
+    assert losses["a"] == losses["c"]
+    assert losses["a"][:1] == losses["b"][:1]  # the first step after resume: same weights
+    assert losses["a"][1:] != losses["b"][1:]  # then the weight decay has moved them apart
+
+
 def test_optimizer_settings_apply_only_where_they_mean_something():
     with pytest.raises(ConfigError, match="b1: applies to adamw and lion, not to optimizer 'sgd'"):
         TrainConfig(model="m", data_dir="d", output_dir="o", optimizer="sgd", b1=0.9).validate(

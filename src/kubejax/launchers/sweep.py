@@ -6,6 +6,7 @@ outcome = sweep_task(dataset_path, trials_path, report_path, base_model="...",
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -29,12 +30,13 @@ from kubejax.launchers.common import (
     worker_env,
 )
 from kubejax.launchers.katib import sweep_with_katib
-from kubejax.tune import katib
+from kubejax.tune import katib, ray_tune
 from kubejax.tune.controller import (
     SweepConfig,
     SweepResult,
     TrialSpecFactory,
     read_metrics,
+    tag_trial_run,
     tune,
 )
 from kubejax.tune.report import sweep_figures, write_report, write_trials
@@ -121,6 +123,8 @@ def sweep_with_jaxjobs(
     if cfg.tuner == "katib":
         katib.check_sweep(cfg, client.engine)
         hyperparameters = {**hyperparameters, "katib_metrics": True}
+    if cfg.tuner == "ray":
+        cfg, hyperparameters = _for_ray(cfg, hyperparameters)
     lowest = lowest_point(cfg.space)
     point = {k: v for k, v in lowest.items() if k not in RESOURCE_PARAMS}
     checked = check_hyperparameters({**hyperparameters, **point})
@@ -157,6 +161,9 @@ def sweep_with_jaxjobs(
             result = sweep_with_katib(
                 cfg, factory, client, trials_root, tracker=tracker, replicas=replicas, log=log
             )
+        elif cfg.tuner == "ray":
+            result = _sweep_with_ray(cfg, factory, trials_root, backend, hyperparameters,
+                                     tracker=tracker, replicas=replicas, log=log)  # fmt: skip
         else:
             result = tune(cfg, factory, trials_root, client=client, tracker=tracker, log=log)
         _record_best(tracker, result, trials_root)
@@ -168,6 +175,62 @@ def sweep_with_jaxjobs(
         return result, tracker.run_id or ""
     finally:
         tracker.finish(status)
+
+
+def _for_ray(cfg: SweepConfig, hyperparameters: dict) -> tuple[SweepConfig, dict]:
+    """What Ray Tune's schedulers need of the trials, checked before anything starts: PBT
+    exploits at evaluations, so every evaluation is checkpointed and the perturbation
+    interval defaults to the evaluation interval."""
+    ray_tune.check_sweep(cfg)
+    if cfg.scheduler != "pbt":
+        return cfg, hyperparameters
+    every = int(hyperparameters.get("eval_every") or 0)
+    if every <= 0:
+        raise SweepError(
+            "hyperparameters.eval_every: PBT exploits at the trials' evaluations; set eval_every "
+            "(and max_steps) in the trials' hyperparameters"
+        )
+    interval = cfg.perturbation_interval or every
+    return dataclasses.replace(cfg, perturbation_interval=interval), {
+        **hyperparameters,
+        "checkpoint_every": every,
+    }
+
+
+def _sweep_with_ray(cfg, factory, trials_root, backend, hyperparameters, *, tracker, replicas, log):
+    """The sweep under Ray Tune (`kubejax.tune.ray_tune`): its trials as the Optuna path's
+    records, their MLflow runs tagged (a PBT trial's earlier runs as pruned: they stopped at an
+    exploit), the best complete trial."""
+    every = int(hyperparameters.get("eval_every") or 1)
+    trials, _ = ray_tune.run(
+        cfg,
+        factory,
+        trials_root,
+        backend=backend,
+        backend_options={},
+        workers_of=lambda config: int(config.get("replicas", replicas)),
+        max_steps=int(hyperparameters.get("max_steps") or 10**9),
+        grace_steps=max(cfg.pruner_min_steps, every),
+        log=log,
+    )
+    for t in trials:
+        runs = t.pop("mlflow_run_ids")
+        for i, run_id in enumerate(runs):
+            if run_id:
+                tag_trial_run(tracker, run_id, t["state"] if i == len(runs) - 1 else "pruned")
+    failed = [t for t in trials if t["state"] == "failed"]
+    if len(failed) > cfg.max_failed_trials:
+        raise SweepError(
+            f"max_failed_trials: {len(failed)} trials failed (limit {cfg.max_failed_trials}): "
+            + ", ".join(f"trial {t['number']} (job {t['job']})" for t in failed)
+        )
+    complete = [t for t in trials if t["state"] == "complete"]
+    if not complete:
+        raise SweepError("max_trials: no trial completed; see the trials' errors above")
+    pick = max if cfg.direction == "maximize" else min
+    best = pick(complete, key=lambda t: t["value"])
+    log(f"sweep: best trial {best['number']}: {cfg.objective}={best['value']:.4f}")
+    return SweepResult(dict(best["params"]), float(best["value"]), best["number"], trials)
 
 
 def _check_some_point_fits(space, checked, replicas, devices_per_worker, task_config) -> None:
@@ -243,6 +306,9 @@ def sweep_task(
     trial_timeout_seconds: int = 3600,
     pruner: str = "median",
     pruner_min_steps: int = 1,
+    scheduler: str = "none",
+    pbt_mutations: str = "learning_rate",
+    perturbation_interval: int = 0,
     seed: int = 0,
     replicas: int = 1,
     devices_per_worker: int = 0,
@@ -284,6 +350,9 @@ def sweep_task(
         trial_timeout=trial_timeout_seconds,
         pruner=pruner,
         pruner_min_steps=pruner_min_steps,
+        scheduler=scheduler,
+        pbt_mutations=pbt_mutations,
+        perturbation_interval=perturbation_interval,
         seed=seed,
         storage=storage or f"sqlite:///{root / 'study.db'}",
         study_name=study,

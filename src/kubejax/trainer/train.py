@@ -392,7 +392,7 @@ def restore_latest(ckpt: Checkpointer, cfg: TrainConfig, params, opt_state):
     if restored is not None:
         state, saved = restored
         history = saved.get("history", {"train": [], "evals": []})
-        return state["params"], state["opt_state"], saved["step"], history
+        return state["params"], with_settings(state["opt_state"], cfg), saved["step"], history
     if unreadable and not cfg.allow_fresh_start:
         raise ConfigError(
             f"output_dir: no readable checkpoint in {ckpt.directory} ({'; '.join(problems)}); "
@@ -401,6 +401,26 @@ def restore_latest(ckpt: Checkpointer, cfg: TrainConfig, params, opt_state):
     if unreadable:
         print(f"kubejax trainer: no readable checkpoint in {ckpt.directory}; starting fresh")
     return params, opt_state, 0, {"train": [], "evals": []}
+
+
+def with_settings(opt_state, cfg: TrainConfig):
+    """A restored optimizer state with this run's weight decay and clipping norm: on resume the
+    moments are kept and the settings are the run's own (the learning rate comes from its
+    schedule at the resumed step anyway), as Population Based Training's restarted trials
+    need."""
+    hyperparams = getattr(opt_state, "hyperparams", None)
+    if not hyperparams:
+        return opt_state
+    settings = {
+        "weight_decay": cfg.weight_decay,
+        "max_grad_norm": cfg.max_grad_norm if cfg.max_grad_norm > 0 else math.inf,
+    }
+    new = dict(hyperparams)
+    for name, value in settings.items():
+        old = hyperparams.get(name)
+        if old is not None:
+            new[name] = jax.device_put(jnp.asarray(value, old.dtype), old.sharding)
+    return opt_state._replace(hyperparams=new)
 
 
 def _check_same_optimizer(cfg: TrainConfig, meta: dict, step: int) -> None:

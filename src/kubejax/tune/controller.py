@@ -26,6 +26,7 @@ from kubejax.jobs.client import FAILED, SUCCEEDED, SUSPENDED, JAXJobClient
 from kubejax.jobs.launch import delete_on_sigterm
 from kubejax.jobs.spec import JAXJobSpec, job_name
 from kubejax.tune.katib import ALGORITHMS as KATIB_ALGORITHMS
+from kubejax.tune.ray_tune import ALGORITHMS as RAY_ALGORITHMS
 from kubejax.tune.space import (
     ALGORITHMS,
     PRUNERS,
@@ -39,7 +40,7 @@ from kubejax.tune.space import (
 )
 
 DIRECTIONS = ("maximize", "minimize")
-TUNERS = ("optuna", "katib")
+TUNERS = ("optuna", "katib", "ray")
 POLL_SECONDS = 5.0
 JOB_ATTR, OUTPUT_ATTR, STEPS_ATTR = "kubejax_job", "kubejax_output", "kubejax_steps"
 #: Workers of a trial's job, and when it started and ended (seconds since the epoch).
@@ -66,8 +67,8 @@ class SweepConfig:
     direction: str = _f("maximize", "maximize or minimize")
     tuner: str = _f(
         "optuna",
-        "optuna (the study runs in the sweep step) or katib (a Katib Experiment on the cluster, "
-        "whose trials are the same jobs)",
+        "optuna (the study runs in the sweep step), katib (a Katib Experiment on the cluster, "
+        "whose trials are the same jobs) or ray (Ray Tune in the sweep step: ASHA, PBT)",
     )
     algorithm: str = _f(
         "tpe",
@@ -83,6 +84,18 @@ class SweepConfig:
     trial_timeout: float = _f(3600.0, "seconds per trial")
     pruner: str = _f("median", "none, median, successive_halving or hyperband")
     pruner_min_steps: int = _f(1, "no pruning before this eval step")
+    scheduler: str = _f(
+        "none", "tuner ray: none, asha (early stopping) or pbt (Population Based Training)"
+    )
+    reduction_factor: int = _f(3, "tuner ray, asha: the fraction 1/n of trials kept at a rung")
+    perturbation_interval: int = _f(
+        0, "tuner ray, pbt: training steps between exploits (0: the trials' eval_every)"
+    )
+    pbt_mutations: str = _f(
+        "learning_rate",
+        "tuner ray, pbt: the searched settings PBT mutates (comma-separated), e.g. "
+        "learning_rate,weight_decay",
+    )
     seed: int = _f(0, "seed of the sampler")
     storage: str = _f("", "Optuna RDB URL; empty: in memory")
     study_name: str = _f("kubejax-sweep", "the study's name in its storage")
@@ -94,11 +107,16 @@ class SweepConfig:
             raise SweepError(f"direction: {self.direction!r} is not one of {', '.join(DIRECTIONS)}")
         if self.tuner not in TUNERS:
             raise SweepError(f"tuner: {self.tuner!r} is not one of {', '.join(TUNERS)}")
-        algorithms = KATIB_ALGORITHMS if self.tuner == "katib" else ALGORITHMS
+        algorithms = {"katib": KATIB_ALGORITHMS, "ray": RAY_ALGORITHMS}.get(self.tuner, ALGORITHMS)
         if self.algorithm not in algorithms:
             raise SweepError(
                 f"algorithm: {self.algorithm!r} is not one of {', '.join(algorithms)}"
-                + (" (Katib's)" if self.tuner == "katib" else "")
+                + {"katib": " (Katib's)", "ray": " (with tuner ray)"}.get(self.tuner, "")
+            )
+        if self.scheduler != "none" and self.tuner != "ray":
+            raise SweepError(
+                f"scheduler: {self.scheduler} is Ray Tune's; set tuner=ray, or use pruner with "
+                f"tuner={self.tuner}"
             )
         if self.pruner not in PRUNERS:
             raise SweepError(f"pruner: {self.pruner!r} is not one of {', '.join(PRUNERS)}")

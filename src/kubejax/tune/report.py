@@ -123,4 +123,33 @@ def sweep_figures(result: SweepResult, cfg: SweepConfig) -> dict:
             ax.plot(*zip(*points, strict=True), "o", label=f"{workers} worker(s)")
     ax.legend()
     figures["objective_vs_cost.svg"] = fig
+    if any(len(t.get("history", [])) > 1 for t in result.trials):
+        figures["pbt_history.svg"] = pbt_history(result, cfg)
     return figures
+
+
+def pbt_history(result: SweepResult, cfg: SweepConfig):
+    """Population Based Training's history: each trial's objective over the training steps,
+    a dashed line from each exploit's donor point to where the trial restarts, and the
+    mutated settings over the steps in a second panel."""
+    plt = report.pyplot()
+    fig, (top, bottom) = plt.subplots(2, 1, figsize=(report.SIZE[0], report.SIZE[1] * 1.6))
+    name = cfg.pbt_mutations.split(",")[0].strip()
+    for t in result.trials:
+        points = sorted((int(k), v) for k, v in t["intermediate"].items()) or [(0, 0.0)]
+        (line,) = top.plot(*zip(*points, strict=True), ".-", label=f"trial {t['number']}")
+        runs = t.get("history", [])
+        for restart in runs[1:]:
+            top.axvline(restart["start_step"], color=line.get_color(), linestyle=":", alpha=0.5)
+        steps = [r["start_step"] for r in runs] + [t["steps"]]
+        values = [r["params"].get(name) for r in runs]
+        if values and all(isinstance(v, int | float) for v in values):
+            bottom.step(steps, [*values, values[-1]], where="post", color=line.get_color())
+    top.set_ylabel(cfg.objective)
+    top.set_title("PBT: the objective by trial (dotted: an exploit and restart)")
+    top.legend(fontsize="small")
+    bottom.set_xlabel("training step")
+    bottom.set_ylabel(name)
+    bottom.set_title(f"{name} of each trial, mutated at each exploit")
+    fig.tight_layout()
+    return fig

@@ -1,0 +1,174 @@
+"""tuner=ray: Ray Tune's ASHA stopping weak trials early and deleting their jobs, PBT restarting
+a bottom trial from a top trial's checkpoint with a mutated learning rate, a cancelled sweep
+leaving no job, and what it refuses. The trials are local jobs of a cheap program that
+checkpoints and resumes as the trainer does (tests/pbt_program.py)."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import sys
+import threading
+from pathlib import Path
+
+import pytest
+
+from kubejax.jobs.spec import JAXJobSpec
+from kubejax.tune import SweepConfig, SweepError, ray_tune
+
+PROGRAM = Path(__file__).parent / "pbt_program.py"
+
+
+def factory(steps: int, sleep: float = 0.05):
+    def make(number, params, out, name):
+        args = ["--output-dir", out, "--learning-rate", str(params["learning_rate"]),
+                "--steps", str(steps), "--eval-every", "2", "--sleep", str(sleep)]  # fmt: skip
+        return JAXJobSpec(name=name, image="i", command=[sys.executable, str(PROGRAM)], args=args)
+
+    return make
+
+
+SPACE = {"learning_rate": {"type": "float", "low": 0.01, "high": 0.6, "log": True}}
+
+
+def _cfg(**kw) -> SweepConfig:
+    kw = {"space": SPACE, "tuner": "ray", "algorithm": "random", "max_trials": 4,
+          "parallelism": 4, "poll_seconds": 0.05, "study_name": "s", **kw}  # fmt: skip
+    return SweepConfig(**kw)
+
+
+def _program_processes(root: Path) -> list[int]:
+    """Processes still running the program for a trial under `root`."""
+    found = []
+    for proc in Path("/proc").iterdir():
+        if proc.name.isdigit():
+            try:
+                cmd = (proc / "cmdline").read_bytes().decode(errors="replace")
+            except OSError:
+                continue
+            if "pbt_program.py" in cmd and str(root) in cmd:
+                found.append(int(proc.name))
+    return found
+
+
+def _run(cfg, tmp_path, steps, grace=2):
+    return ray_tune.run(
+        cfg,
+        factory(steps),
+        str(tmp_path / "trials"),
+        backend="local",
+        backend_options={"log_root": str(tmp_path / "logs")},
+        workers_of=lambda config: 1,
+        max_steps=steps,
+        grace_steps=grace,
+        log=lambda _: None,
+    )
+
+
+def test_asha_stops_the_weak_trials_early_and_deletes_their_jobs(tmp_path):
+    cfg = _cfg(scheduler="asha", max_trials=6, parallelism=6, reduction_factor=3, seed=3)
+    trials, _ = _run(cfg, tmp_path, steps=12)
+    states = sorted(t["state"] for t in trials)
+    assert len(trials) == 6 and "complete" in states and "pruned" in states, trials
+    best = max((t for t in trials if t["state"] == "complete"), key=lambda t: t["value"])
+    for t in trials:
+        if t["state"] == "pruned":  # stopped at a rung, below the best at that rung
+            assert t["steps"] < 12
+            rung = str(t["steps"])
+            assert t["intermediate"][rung] < best["intermediate"][rung]
+        else:
+            assert t["steps"] == 12
+    assert _program_processes(tmp_path) == []
+
+
+def test_pbt_restarts_a_bottom_trial_from_a_top_trials_checkpoint(tmp_path):
+    """A trial restarted by PBT resumes from its donor's checkpoint: its job's first step is
+    past 0, its folder holds the donor's checkpoint of that step, and it trains with the
+    mutated learning rate."""
+    cfg = _cfg(scheduler="pbt", perturbation_interval=4, pbt_mutations="learning_rate", seed=0)
+    trials, _ = _run(cfg, tmp_path, steps=16)
+    exploits = [
+        (t, i)
+        for t in trials
+        for i, run in enumerate(t["history"])
+        if run["donor"]
+        and not Path(run["donor"]).name.startswith(f"trial-{t['trial_id']}-")
+        and run["start_step"] < 16
+    ]  # restarts from another trial's checkpoint (PBT also pauses and resumes trials)
+    assert exploits, [t["history"] for t in trials]
+    t, i = exploits[0]
+    before, after = t["history"][i - 1], t["history"][i]
+    assert after["start_step"] > 0
+    assert after["params"]["learning_rate"] != before["params"]["learning_rate"]
+    run_dir = next((tmp_path / "trials").glob(f"trial-{t['trial_id']}-{i}"))
+    assert (run_dir / "checkpoints" / str(after["start_step"]) / "state.json").is_file()
+    donor_state = Path(after["donor"]) / "checkpoints" / str(after["start_step"]) / "state.json"
+    assert (run_dir / "checkpoints" / str(after["start_step"]) / "state.json").read_text() == (
+        donor_state.read_text()
+    )
+    rows = json.loads((run_dir / "metrics.json").read_text())["train"]
+    assert rows[0]["step"] == after["start_step"] + 1
+    assert rows[0]["learning_rate"] == pytest.approx(after["params"]["learning_rate"])
+    assert all(t["state"] == "complete" for t in trials), [t["state"] for t in trials]
+    assert _program_processes(tmp_path) == []
+
+
+def test_a_cancelled_ray_sweep_leaves_no_job(tmp_path):
+    cfg = _cfg(scheduler="none", max_trials=2, parallelism=2)
+    threading.Timer(8.0, lambda: signal.raise_signal(signal.SIGTERM)).start()
+    with pytest.raises(SystemExit) as exit_:
+        _run(cfg, tmp_path, steps=400)
+    assert exit_.value.code == 143
+    assert list((tmp_path / "trials").glob("trial-*/trial.json"))  # trials had started
+    assert _program_processes(tmp_path) == []
+
+
+def test_what_the_ray_path_cannot_run_is_refused(monkeypatch):
+    for kw, expected in [
+        ({"algorithm": "cmaes"}, r"algorithm: 'cmaes' is not one of random, grid, tpe"),
+        ({"scheduler": "pbt", "pbt_mutations": "weight_decay"},
+         "pbt_mutations: weight_decay is not in search_space"),
+        ({"space": {**SPACE, "x": {"type": "float", "low": 0, "high": 1,
+                                   "when": {"learning_rate": 0.1}}}},
+         "search_space.x.when: tuner=ray has no conditional dimensions"),
+    ]:  # fmt: skip
+        with pytest.raises(SweepError, match=expected):
+            ray_tune.check_sweep(_cfg(**kw))
+    monkeypatch.setitem(sys.modules, "ray", None)
+    with pytest.raises(SweepError) as err:
+        ray_tune.check_sweep(_cfg())
+    assert str(err.value).endswith("install it with pip install 'kubejax[ray]'")
+    assert os.environ.get("RAY_ADDRESS") is None  # nothing was started
+
+
+def test_fake_cluster_ray_sweep_runs_trainjob_trials_and_deletes_them(tmp_path, monkeypatch):
+    """The launcher's Ray path on a cluster backend: each trial a TrainJob (rendered with the
+    trial's settings) that the trial deletes when it ends; the Optuna path's outputs."""
+    from kubejax.launchers.sweep import sweep_with_jaxjobs
+    from tests.jobs.fake_k8s import FakeKubernetes, condition
+    from tests.test_katib import _kubeconfig
+
+    def trainer(body):  # what the trial's trainer leaves in its output folder
+        args = body["spec"]["trainer"]["args"]
+        out = Path(args[args.index("--output-dir") + 1])
+        lr = float(args[args.index("--learning-rate") + 1])
+        evals = [{"step": 5, "eval_accuracy": lr}, {"step": 10, "eval_accuracy": 2 * lr}]
+        (out / "metrics.json").write_text(json.dumps(
+            {"status": "completed", "step": 10, "total_steps": 10, "evals": evals}))  # fmt: skip
+
+    script = [[], [], [condition("Complete", kind="TrainJob")]]
+    with FakeKubernetes(served=("trainjob",), script=script) as fake:
+        fake.on_job = trainer
+        monkeypatch.setenv("KUBECONFIG", _kubeconfig(tmp_path, fake.host))
+        cfg = _cfg(max_trials=2, parallelism=2, scheduler="asha")
+        result, _ = sweep_with_jaxjobs(
+            cfg, data_dir="/ws/data", trials_root=str(tmp_path / "trials"),
+            hyperparameters={"model": "m", "max_steps": 10, "eval_every": 5},
+            backend="kubernetes", log=lambda _: None,
+        )  # fmt: skip
+        assert fake.count("POST", "/trainjobs") == 2 and fake.count("DELETE", "/trainjobs/") == 2
+    assert result.counts == {"complete": 2, "pruned": 0, "failed": 0}
+    best = max(result.trials, key=lambda t: t["value"])
+    assert result.best_params == best["params"] and result.best_value == best["value"]
+    assert best["value"] == pytest.approx(2 * best["params"]["learning_rate"])
