@@ -20,7 +20,7 @@ from kubejax.tune import SweepConfig, SweepError, ray_tune
 PROGRAM = Path(__file__).parent / "pbt_program.py"
 
 
-def factory(steps: int, sleep: float = 0.05):
+def factory(steps: int, sleep: float = 0.03):
     def make(number, params, out, name):
         args = ["--output-dir", out, "--learning-rate", str(params["learning_rate"]),
                 "--steps", str(steps), "--eval-every", "2", "--sleep", str(sleep)]  # fmt: skip
@@ -116,7 +116,7 @@ def test_pbt_restarts_a_bottom_trial_from_a_top_trials_checkpoint(tmp_path):
 
 def test_a_cancelled_ray_sweep_leaves_no_job(tmp_path):
     cfg = _cfg(scheduler="none", max_trials=2, parallelism=2)
-    threading.Timer(8.0, lambda: signal.raise_signal(signal.SIGTERM)).start()
+    threading.Timer(6.0, lambda: signal.raise_signal(signal.SIGTERM)).start()
     with pytest.raises(SystemExit) as exit_:
         _run(cfg, tmp_path, steps=400)
     assert exit_.value.code == 143

@@ -266,7 +266,7 @@ def test_trainer_runs_lora_and_qlora_on_bert(tiny_model_dir, prepared, tmp_path)
     projections in nf4, as planned."""
     from safetensors.numpy import load_file
 
-    settings = {"lora_rank": 4, "lora_alpha": 16, "lora_targets": "all", "max_steps": 8,
+    settings = {"lora_rank": 4, "lora_alpha": 16, "lora_targets": "all", "max_steps": 4,
                 "global_batch_size": 16, "learning_rate": 1e-2}  # fmt: skip
     runs = {"lora": {"peft": "lora", "lora_dropout": 0.1}, "qlora": {"peft": "qlora"}}
     for name, peft in runs.items():
