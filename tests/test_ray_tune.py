@@ -111,6 +111,10 @@ def test_pbt_restarts_a_bottom_trial_from_a_top_trials_checkpoint(tmp_path):
     assert rows[0]["step"] == after["start_step"] + 1
     assert rows[0]["learning_rate"] == pytest.approx(after["params"]["learning_rate"])
     assert all(t["state"] == "complete" for t in trials), [t["state"] for t in trials]
+    # Every start's job was deleted, those PBT paused too (their function stopped without its
+    # finally; the next start, or the sweep's end, deletes them).
+    starts = list((tmp_path / "trials").glob("trial-*/trial.json"))
+    assert all("end" in json.loads(p.read_text()) for p in starts)
     assert _program_processes(tmp_path) == []
 
 

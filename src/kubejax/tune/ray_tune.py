@@ -145,6 +145,9 @@ def trial_function(
              "donor": donor, "start_step": start_step, "start": time.time()}))  # fmt: skip
         spec = factory(f"{trial_id}-{restart}", config, str(out), name)
         client = JAXJobClient(backend, **backend_options)
+        # A pause (PBT's exploit) stops this function without its `finally`: the start before
+        # this one may have left its job; it goes now.
+        end_jobs(client, Path(trials_root), f"trial-{trial_id}-*", keep=out)
         try:
             client.create_job(spec)
             _follow(client, name, out, start_step, objective, poll_seconds, FAILED)
@@ -154,6 +157,21 @@ def trial_function(
             _note_end(out)
 
     return run
+
+
+def end_jobs(client, root: Path, pattern: str = "trial-*", keep: Path | None = None) -> None:
+    """Delete the jobs of trial starts under `root` (matching `pattern`, but `keep`) that have
+    not ended, and mark them ended."""
+    for path in root.glob(f"{pattern}/trial.json"):
+        if path.parent == keep:
+            continue
+        with contextlib.suppress(OSError, json.JSONDecodeError):
+            data = json.loads(path.read_text())
+            if "end" in data:
+                continue
+            with contextlib.suppress(Exception):  # gone already, or never created
+                client.delete_job(data["job"])
+            _note_end(path.parent)
 
 
 def _output_for(root: Path, trial_id: str, checkpoint) -> tuple[Path, int, str]:
@@ -359,10 +377,7 @@ def run(
              resources=resources, configure_logging=False)  # fmt: skip
 
     def cancel() -> None:
-        client = JAXJobClient(backend, **backend_options)
-        for job in running_jobs(root):
-            with contextlib.suppress(Exception):  # gone already, or never created
-                client.delete_job(job)
+        end_jobs(JAXJobClient(backend, **backend_options), root)
         ray.shutdown()  # the trials' processes, and local jobs' workers with them
 
     try:
@@ -402,17 +417,8 @@ def run(
             results = tuner.fit()
     finally:
         ray.shutdown()
+        # Starts paused by PBT and never resumed (their function stopped without its finally).
+        end_jobs(JAXJobClient(backend, **backend_options), root)
     workers = {r.metrics.get("trial_id"): r for r in results}
     log(f"sweep: Ray Tune ran {len(workers)} trials ({cfg.scheduler} scheduler)")
     return records(cfg, str(root), list(results), workers_of), results
-
-
-def running_jobs(root: Path) -> list[str]:
-    """The jobs of trial starts that have not ended (their trial.json has no end)."""
-    out = []
-    for path in root.glob("trial-*/trial.json"):
-        with contextlib.suppress(OSError, json.JSONDecodeError):
-            data = json.loads(path.read_text())
-            if "end" not in data:
-                out.append(data["job"])
-    return out
