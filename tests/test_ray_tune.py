@@ -10,6 +10,7 @@ import os
 import signal
 import sys
 import threading
+import time
 from pathlib import Path
 
 import pytest
@@ -52,10 +53,10 @@ def _program_processes(root: Path) -> list[int]:
     return found
 
 
-def _run(cfg, tmp_path, steps, grace=2):
+def _run(cfg, tmp_path, steps, grace=2, sleep=0.03):
     return ray_tune.run(
         cfg,
-        factory(steps),
+        factory(steps, sleep),
         str(tmp_path / "trials"),
         backend="local",
         backend_options={"log_root": str(tmp_path / "logs")},
@@ -86,15 +87,17 @@ def test_pbt_restarts_a_bottom_trial_from_a_top_trials_checkpoint(tmp_path):
     """A trial restarted by PBT resumes from its donor's checkpoint: its job's first step is
     past 0, its folder holds the donor's checkpoint of that step, and it trains with the
     mutated learning rate."""
-    cfg = _cfg(scheduler="pbt", perturbation_interval=4, pbt_mutations="learning_rate", seed=0)
-    trials, _ = _run(cfg, tmp_path, steps=16)
+    cfg = _cfg(scheduler="pbt", perturbation_interval=2, pbt_mutations="learning_rate", seed=0)
+    # Trials long enough to run side by side (Ray starts them one by one, and PBT compares a
+    # trial only with the population still running).
+    trials, _ = _run(cfg, tmp_path, steps=24, sleep=0.15)
     exploits = [
         (t, i)
         for t in trials
         for i, run in enumerate(t["history"])
         if run["donor"]
         and not Path(run["donor"]).name.startswith(f"trial-{t['trial_id']}-")
-        and run["start_step"] < 16
+        and run["start_step"] < 24
     ]  # restarts from another trial's checkpoint (PBT also pauses and resumes trials)
     assert exploits, [t["history"] for t in trials]
     t, i = exploits[0]
@@ -120,7 +123,13 @@ def test_pbt_restarts_a_bottom_trial_from_a_top_trials_checkpoint(tmp_path):
 
 def test_a_cancelled_ray_sweep_leaves_no_job(tmp_path):
     cfg = _cfg(scheduler="none", max_trials=2, parallelism=2)
-    threading.Timer(6.0, lambda: signal.raise_signal(signal.SIGTERM)).start()
+    def cancel_once_a_job_runs():  # SIGTERM, as KFP sends a cancelled run's step
+        deadline = time.monotonic() + 60
+        while not _program_processes(tmp_path) and time.monotonic() < deadline:
+            time.sleep(0.1)
+        signal.raise_signal(signal.SIGTERM)
+
+    threading.Thread(target=cancel_once_a_job_runs, daemon=True).start()
     with pytest.raises(SystemExit) as exit_:
         _run(cfg, tmp_path, steps=400)
     assert exit_.value.code == 143

@@ -377,8 +377,9 @@ def run(
              resources=resources, configure_logging=False)  # fmt: skip
 
     def cancel() -> None:
+        # Only the jobs here: Ray stops in the `finally` below, once the exit has left the
+        # signal handler (stopping Ray inside it could deadlock with the interrupted fit).
         end_jobs(JAXJobClient(backend, **backend_options), root)
-        ray.shutdown()  # the trials' processes, and local jobs' workers with them
 
     try:
         fn = trial_function(factory, backend=backend, backend_options=backend_options,
@@ -413,8 +414,14 @@ def run(
                 checkpoint_config=tune.CheckpointConfig(num_to_keep=None),
             ),
         )
-        with on_sigterm(cancel):
-            results = tuner.fit()
+        cancelled = []
+        with on_sigterm(lambda: (cancelled.append(True), cancel())):
+            try:
+                results = tuner.fit()
+            except BaseException:
+                if cancelled:  # Ray turns the handler's exit into its own; the step's is 143
+                    raise SystemExit(143) from None
+                raise
     finally:
         ray.shutdown()
         # Starts paused by PBT and never resumed (their function stopped without its finally).
