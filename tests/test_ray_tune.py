@@ -123,6 +123,7 @@ def test_pbt_restarts_a_bottom_trial_from_a_top_trials_checkpoint(tmp_path):
 
 def test_a_cancelled_ray_sweep_leaves_no_job(tmp_path):
     cfg = _cfg(scheduler="none", max_trials=2, parallelism=2)
+
     def cancel_once_a_job_runs():  # SIGTERM, as KFP sends a cancelled run's step
         deadline = time.monotonic() + 60
         while not _program_processes(tmp_path) and time.monotonic() < deadline:
