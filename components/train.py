@@ -1,4 +1,4 @@
-"""The `train` component: fine-tuning as a Training Operator JAXJob."""
+"""The `train` component: fine-tuning as a Kubeflow TrainJob or a Training Operator JAXJob."""
 
 from typing import NamedTuple
 
@@ -46,10 +46,11 @@ def train(
     task_name: str = "train",
     task_config: dsl.TaskConfig = None,
 ) -> NamedTuple("Outputs", mlflow_run_id=str, job_name=str):
-    """Train a BERT-family classifier as a JAXJob with `replicas` workers.
+    """Fine-tune a model (BERT family or a decoder LLM, whole or with LoRA) as a job of
+    `replicas` workers: a Kubeflow Trainer TrainJob or a Training Operator JAXJob.
 
     What the pipeline sets on this task (GPU limits, env and secrets, volumes, node selector,
-    tolerations, affinity) reaches the JAXJob's worker pods through `task_config`.
+    tolerations, affinity) reaches the job's worker pods through `task_config`.
 
     Args:
         dataset: Prepared dataset (prepare-yelp).
@@ -60,7 +61,7 @@ def train(
         base_model: HF hub id or folder to fine-tune.
         hyperparameters: Trainer settings (TrainConfig field → value), e.g. learning_rate.
         best_params: Settings that override `hyperparameters` (the sweep's best params).
-        replicas: Number of JAXJob workers (processes).
+        replicas: Number of the job's workers (processes, pods).
         mesh: Device mesh over every worker's devices, e.g. "fsdp=-1" (shards parameters and
             optimizer state) or "data=2,fsdp=4,tensor=2"; empty: the trainer's `mesh`
             setting (data-parallel by default). Checked against replicas × devices before
@@ -95,7 +96,7 @@ def train(
         task_config: Filled by KFP from the task's settings.
 
     Returns:
-        mlflow_run_id: the training run ('' when tracking is off); job_name: the JAXJob.
+        mlflow_run_id: the training run ('' when tracking is off); job_name: the TrainJob or JAXJob.
     """
     settings = dict(locals())  # the parameters by name, taken before any import adds names
     from pathlib import Path

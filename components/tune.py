@@ -1,4 +1,5 @@
-"""The `tune-sweep` component: an Optuna study whose trials are JAXJobs."""
+"""The `tune-sweep` component: a sweep (Optuna, Katib or Ray Tune) whose trials are training
+jobs."""
 
 from typing import NamedTuple
 
@@ -54,7 +55,7 @@ def tune_sweep(
     poll_seconds: float = 5.0,
     task_config: dsl.TaskConfig = None,
 ) -> NamedTuple("Outputs", best_params=dict, best_value=float):
-    """Search hyperparameters; every trial is a JAXJob running the kubejax trainer.
+    """Search hyperparameters; every trial is a TrainJob or JAXJob running the kubejax trainer.
 
     Args:
         dataset: Prepared dataset (prepare-yelp).

@@ -158,8 +158,8 @@ def _train_and_evaluate(
 
 @dsl.pipeline(
     name="kubejax-yelp",
-    description="Yelp review stars: prepare, tune (Optuna, JAXJob trials), train (JAXJob), "
-    "evaluate, register in MLflow.",
+    description="Yelp review stars: prepare, tune (trials are TrainJobs or JAXJobs), train "
+    "(a TrainJob or JAXJob), evaluate, register in MLflow.",
     pipeline_config=WORKSPACE,
 )
 def yelp_pipeline(
@@ -327,7 +327,7 @@ def yelp_pipeline(
 
 @dsl.pipeline(
     name="kubejax-train-eval",
-    description="Prepare Yelp reviews, fine-tune as a JAXJob, evaluate; no sweep.",
+    description="Prepare Yelp reviews, fine-tune as a TrainJob or JAXJob, evaluate; no sweep.",
     pipeline_config=WORKSPACE,
 )
 def train_eval_pipeline(

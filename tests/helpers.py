@@ -7,8 +7,10 @@ equal computations agree only up to float32 rounding, scaled by the size of what
 
 from __future__ import annotations
 
+import contextlib
 import os
 import socket
+import subprocess
 import sys
 from pathlib import Path
 
@@ -18,6 +20,38 @@ import numpy as np
 #: query, and softmax is invariant to a per-query shift. What moves them is rounding noise
 #: (amplified by Adam's normalisation), whose size depends on the CPU's kernels.
 ZERO_GRADIENT_BY_SYMMETRY = ("attention.self.key.bias",)
+
+
+@contextlib.contextmanager
+def beside(cmd: list[str], env: dict[str, str] | None = None, timeout: float = 600):
+    """Run `cmd` in the background while the block runs, then wait for it and check that it
+    succeeded (killed if the block fails). Two independent trainer runs of a test overlap this
+    way: XLA compiles each program on one core, so on the suite's 2 cores the pair takes
+    little more than the longer one."""
+    proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        yield proc
+    except BaseException:
+        proc.kill()
+        proc.communicate()
+        raise
+    out, err = proc.communicate(timeout=timeout)
+    assert proc.returncode == 0, f"{cmd}: exit {proc.returncode}\n{out[-2000:]}\n{err[-3000:]}"
+
+
+def side_by_side(cmds: list[list[str]], env: dict[str, str], timeout: float = 600) -> list[str]:
+    """Run the commands at once and return each one's standard output, checking that each
+    succeeded: independent programs to compile, each on a core of its own."""
+    procs = [
+        subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        for cmd in cmds
+    ]
+    outs = []
+    for cmd, proc in zip(cmds, procs, strict=True):
+        out, err = proc.communicate(timeout=timeout)
+        assert proc.returncode == 0, f"{cmd}: exit {proc.returncode}\n{err[-3000:]}"
+        outs.append(out)
+    return outs
 
 
 def env_with_no_jax_cache(cache_home: Path) -> dict[str, str]:

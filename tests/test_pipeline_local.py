@@ -5,6 +5,8 @@ from __future__ import annotations
 import io
 import json
 import os
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -20,7 +22,39 @@ SECRET_MARKER = "kubejax-secret-marker-5b1f0c"
 
 
 @pytest.fixture(scope="module")
-def local_run(tmp_path_factory, tiny_model_dir):
+def llm_run(tmp_path_factory):
+    """`kubejax run --local --profile llm` (the command a user runs), shortened, started in the
+    background when this module's first pipeline starts, so that the two pipelines' steps
+    overlap on the suite's cores; returns a function that waits for it and gives its workdir,
+    summary and terminal output."""
+    workdir = tmp_path_factory.mktemp("llm") / "run"
+    trial = {"max_steps": 4, "eval_every": 2, "log_every": 2, "device_memory": "1GiB",
+             "global_batch_size": 8, "max_length": 64, "max_eval_examples": 32}  # fmt: skip
+    train = {"max_steps": 8, "eval_every": 4, "log_every": 4, "global_batch_size": 8,
+             "max_length": 64, "max_eval_examples": 32, "learning_rate": 3e-3}  # fmt: skip
+    space = {"lora_rank": {"type": "categorical", "choices": [4, 100000]}}
+    overrides = [
+        "algorithm=grid", f"search_space={json.dumps(space)}",
+        f"trial_hyperparameters={json.dumps(trial)}", f"train_hyperparameters={json.dumps(train)}",
+        "max_test_samples=100", "max_validation_samples=64",
+    ]  # fmt: skip
+    cmd = [Path(sys.executable).parent / "kubejax", "run", "--local", "--profile", "llm",
+           "--workdir", str(workdir), *(f"--param={o}" for o in overrides)]  # fmt: skip
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+
+    def finish():
+        printed, _ = proc.communicate(timeout=900)
+        assert proc.returncode == 0, printed[-5000:]
+        return workdir, json.loads((workdir / "summary.json").read_text()), printed
+
+    yield finish
+    if proc.poll() is None:
+        proc.kill()
+        proc.communicate()
+
+
+@pytest.fixture(scope="module")
+def local_run(llm_run, tmp_path_factory, tiny_model_dir):
     from kubejax.local_run import run_local
 
     workdir = tmp_path_factory.mktemp("pipeline") / "run"
@@ -261,7 +295,7 @@ def test_component_yamls_load_for_reuse():
         assert comp.component_spec.implementation.container.image.startswith("ghcr.io/kubejax")
 
 
-def test_the_llm_profile_runs_the_llm_pipeline_with_lora_end_to_end(tmp_path):
+def test_the_llm_profile_runs_the_llm_pipeline_with_lora_end_to_end(llm_run):
     """`kubejax run --local --profile llm`'s pipeline, shortened: a grid of two LoRA ranks
     where rank 100,000's memory plan exceeds the trials' 1 GiB (pruned before it starts, not
     failed), rank 4 trained; the final training on 2 workers with the base sharded between
@@ -269,27 +303,13 @@ def test_the_llm_profile_runs_the_llm_pipeline_with_lora_end_to_end(tmp_path):
     training's MLflow run."""
     from mlflow.tracking import MlflowClient
 
-    from kubejax.local_run import run_local
-
-    trial = {"max_steps": 4, "eval_every": 2, "log_every": 2, "device_memory": "1GiB",
-             "global_batch_size": 8, "max_length": 64, "max_eval_examples": 32}  # fmt: skip
-    train = {"max_steps": 8, "eval_every": 4, "log_every": 4, "global_batch_size": 8,
-             "max_length": 64, "max_eval_examples": 32, "learning_rate": 3e-3}  # fmt: skip
-    space = {"lora_rank": {"type": "categorical", "choices": [4, 100000]}}
-    overrides = [
-        "algorithm=grid", f"search_space={json.dumps(space)}",
-        f"trial_hyperparameters={json.dumps(trial)}", f"train_hyperparameters={json.dumps(train)}",
-        "max_test_samples=100", "max_validation_samples=64",
-    ]  # fmt: skip
-    terminal = io.StringIO()
-    summary = run_local(tmp_path / "run", overrides, profile="llm", terminal=terminal)
-    printed = terminal.getvalue()
+    workdir, summary, printed = llm_run()
     assert summary["pipeline"] == "kubejax-llm" and summary["profile"] == "llm"
     assert summary["trials"] == {"complete": 1, "pruned": 1, "failed": 0}
     assert summary["best_params"] == {"lora_rank": 4.0}
     assert "trial 1 pruned before it started: device_memory: the run needs" in printed
     assert "kubejax trainer: 2 process(es)" in printed
-    model = _artifact(tmp_path / "run", "train", "model")
+    model = _artifact(workdir, "train", "model")
     config = json.loads((model / "adapter" / "adapter_config.json").read_text())
     assert config["r"] == 4 and config["task_type"] == "CAUSAL_LM"
     assert (model / "model.safetensors").is_file()

@@ -513,7 +513,8 @@ def build_parser() -> argparse.ArgumentParser:
     """The top-level parser with every sub-command."""
     p = argparse.ArgumentParser(
         prog="kubejax",
-        description="Train and tune JAX BERT classifiers on Kubeflow (KFP v2 + JAXJob + MLflow).",
+        description="Fine-tune and tune JAX models, LLMs included, on Kubeflow (KFP v2 + TrainJob "
+        "or JAXJob + MLflow).",
     )
     p.add_argument("--version", action="version", version=f"kubejax {__version__}")
     sub = p.add_subparsers(dest="command", required=True)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import json
 import math
 import re
@@ -108,7 +109,9 @@ def test_gradients_match_transformers_backward(tmp_path):
 
     graphdef, params = nnx.split(model, nnx.Param)
     batch = {"input_ids": ids, "attention_mask": mask, "labels": labels}
-    grads = jax.grad(lambda p: loss_fn(graphdef, p, batch, None, deterministic=True)[0])(params)
+    grads = jax.jit(jax.grad(lambda p: loss_fn(graphdef, p, batch, None, deterministic=True)[0]))(
+        params
+    )
     ours = weights.export_tensors(nnx.merge(graphdef, grads))
     assert ours.keys() <= expected.keys() and len(ours) > 30
     for name, grad in ours.items():
@@ -145,10 +148,15 @@ def test_packed_rows_give_each_sequence_the_logits_it_has_alone(minilm_dir):
             at += len(seq)
     packed = np.asarray(model(ids, segments, positions=positions, starts=starts))
     assert packed.shape == (4, 3, 5) and np.isfinite(packed).all()
+    # Each review alone: a row of its own, padded (one call, so one shape to run).
+    flat = [seq for row in seqs for seq in row]
+    rows, masks = (np.zeros((len(flat), 64), np.int32) for _ in range(2))
+    for i, seq in enumerate(flat):
+        rows[i, : len(seq)], masks[i, : len(seq)] = seq, 1
+    alone = iter(np.asarray(model(rows, masks)))
     for r, row in enumerate(seqs):
-        for s, seq in enumerate(row):
-            alone = np.asarray(model(seq[None], np.ones((1, len(seq)), np.int32)))[0]
-            assert_close_to_scale(packed[r, s], alone, 1e-5, f"row {r} review {s}")
+        for s, _ in enumerate(row):
+            assert_close_to_scale(packed[r, s], next(alone), 1e-5, f"row {r} review {s}")
     # One review a row: the key mask alone, the same logits as unpacked.
     ids, mask = _inputs(30522)
     one = model(ids, mask, positions=np.tile(np.arange(40), (3, 1)), starts=np.zeros((3, 1), int))
@@ -498,8 +506,10 @@ def test_a_batch_in_pieces_gives_the_whole_batchs_gradients_and_logits():
     mask[0, 3, 100:] = 0  # padding in one row of one piece
     batch = {"input_ids": ids, "attention_mask": mask, "labels": rng.integers(0, 5, (1, 12))}
     key = jax.random.key(0)
-    whole = _gradients(graphdef, params, batch, key, budget=0)
-    pieces = _gradients(graphdef, params, batch, key, budget=1024)  # 3 pieces of 4 rows
+    # Jitted as the train step runs them (op by op, each shape's every operation compiles).
+    gradients = jax.jit(functools.partial(_gradients, graphdef), static_argnames="budget")
+    whole = gradients(params, batch, key, budget=0)
+    pieces = gradients(params, batch, key, budget=1024)  # 3 pieces of 4 rows
     np.testing.assert_allclose(float(pieces[0]), float(whole[0]), rtol=1e-5)
     assert float(pieces[1]) == float(whole[1])
     typical = max(float(np.abs(g).max()) for g in jax.tree.leaves(whole[2]))

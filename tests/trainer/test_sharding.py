@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 
 from kubejax.trainer import sharding
-from tests.helpers import tiny_args
+from tests.helpers import beside, side_by_side, tiny_args
 
 HERE = Path(__file__).parent
 
@@ -61,13 +61,12 @@ def test_a_tensor_axis_must_divide_heads_and_mlp(tiny_decoder_dir):
 @pytest.fixture(scope="module")
 def sharded_runs(tiny_decoder_dir):
     """Three train steps of the tiny decoder on each mesh, 4 CPU devices."""
-    meshes = ["", "fsdp=4", "fsdp=2,tensor=2", "data=2,tensor=2"]
-    out = subprocess.run(
-        [sys.executable, str(HERE / "sharded_steps.py"), str(tiny_decoder_dir), *meshes],
-        capture_output=True, text=True, check=True, timeout=600,
+    script = [sys.executable, str(HERE / "sharded_steps.py"), str(tiny_decoder_dir)]
+    outs = side_by_side(  # two processes of two meshes each
+        [[*script, "", "fsdp=4"], [*script, "fsdp=2,tensor=2", "data=2,tensor=2"]],
         env={**os.environ, "PYTHONPATH": str(HERE.parents[1])},
-    )  # fmt: skip
-    return json.loads(out.stdout.strip().splitlines()[-1])
+    )
+    return {k: v for out in outs for k, v in json.loads(out.strip().splitlines()[-1]).items()}
 
 
 @pytest.mark.parametrize("mesh", ["fsdp=4", "fsdp=2,tensor=2", "data=2,tensor=2"])
@@ -95,9 +94,13 @@ def test_each_device_holds_its_share(sharded_runs, mesh, share):
     assert sharded_runs[""]["moment_fraction"] == 1.0
 
 
-def _trainer(args: list[str], devices: int = 4) -> None:
+def _trainer_cmd(args: list[str], devices: int = 4) -> tuple[list[str], dict[str, str]]:
     env = {**os.environ, "JAX_NUM_CPU_DEVICES": str(devices)}
-    cmd = [sys.executable, "-m", "kubejax.trainer", *args]
+    return [sys.executable, "-m", "kubejax.trainer", *args], env
+
+
+def _trainer(args: list[str], devices: int = 4) -> None:
+    cmd, env = _trainer_cmd(args, devices)
     proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
 
@@ -109,16 +112,21 @@ def test_trainer_resumes_on_another_mesh_and_exports(tiny_decoder_dir, prepared_
 
     common = {"schedule": "constant", "warmup_ratio": 0.0, "max_eval_examples": 32}
     whole, part = tmp_path / "whole", tmp_path / "part"
-    _trainer(tiny_args(tiny_decoder_dir, prepared_decoder, whole, max_steps=4, **common))
-    _trainer(
-        tiny_args(tiny_decoder_dir, prepared_decoder, part, max_steps=2, mesh="fsdp=4", **common)
-    )
-    (part / "model").rename(tmp_path / "model-at-2")
-    _trainer(
-        tiny_args(
-            tiny_decoder_dir, prepared_decoder, part, max_steps=4, mesh="fsdp=2,tensor=2", **common
+    with beside(*_trainer_cmd(tiny_args(tiny_decoder_dir, prepared_decoder, whole, max_steps=4,
+                                        **common))):  # fmt: skip
+        first = {"max_steps": 2, "mesh": "fsdp=4", **common}
+        _trainer(tiny_args(tiny_decoder_dir, prepared_decoder, part, **first))
+        (part / "model").rename(tmp_path / "model-at-2")
+        _trainer(
+            tiny_args(
+                tiny_decoder_dir,
+                prepared_decoder,
+                part,
+                max_steps=4,
+                mesh="fsdp=2,tensor=2",
+                **common,
+            )
         )
-    )
     losses = {
         run: [row["loss"] for row in json.loads((run / "metrics.json").read_text())["train"]]
         for run in (whole, part)
@@ -153,18 +161,18 @@ def test_two_processes_give_one_process_losses(
 
     flags = {"max_steps": 3, "max_eval_examples": 32, "global_batch_size": 8}
     one, two = tmp_path / "one", tmp_path / "two"
-    _trainer(tiny_args(tiny_decoder_dir, prepared_decoder, one, **flags), devices=1)
-    if contract == "jaxjob":
-        mesh, gpus = "data=2,fsdp=2", 2
-    else:
-        mesh, gpus = "fsdp=2", 0
-        saved = {**flags, "max_steps": 1, "mesh": "fsdp=4"}
-        _trainer(tiny_args(tiny_decoder_dir, prepared_decoder, two, **saved), devices=4)
-    args = tiny_args(tiny_decoder_dir, prepared_decoder, two, mesh=mesh, **flags)
-    client = JAXJobClient("local", log_root=tmp_path / "logs", env_contract=contract)
-    job = JAXJobSpec(name=f"fsdp-{contract}", image="local", command=trainer_cmd()[:3],
-                     args=args, replicas=2, resources=resources(gpus=gpus))  # fmt: skip
-    run_job(client, job, timeout=300, polling_interval=0.2, log=None)
+    with beside(*_trainer_cmd(tiny_args(tiny_decoder_dir, prepared_decoder, one, **flags), 1)):
+        if contract == "jaxjob":
+            mesh, gpus = "data=2,fsdp=2", 2
+        else:
+            mesh, gpus = "fsdp=2", 0
+            saved = {**flags, "max_steps": 1, "mesh": "fsdp=4"}
+            _trainer(tiny_args(tiny_decoder_dir, prepared_decoder, two, **saved), devices=4)
+        args = tiny_args(tiny_decoder_dir, prepared_decoder, two, mesh=mesh, **flags)
+        client = JAXJobClient("local", log_root=tmp_path / "logs", env_contract=contract)
+        job = JAXJobSpec(name=f"fsdp-{contract}", image="local", command=trainer_cmd()[:3],
+                         args=args, replicas=2, resources=resources(gpus=gpus))  # fmt: skip
+        run_job(client, job, timeout=300, polling_interval=0.2, log=None)
     metrics = {run: json.loads((run / "metrics.json").read_text()) for run in (one, two)}
     assert metrics[two]["final"]["num_processes"] == 2
     assert metrics[two]["final"]["num_devices"] == 2 * max(gpus, 1)

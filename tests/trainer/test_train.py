@@ -19,7 +19,13 @@ from kubejax.jobs.launch import run_job
 from kubejax.jobs.spec import JAXJobSpec
 from kubejax.trainer.config import ConfigError, TrainConfig
 from kubejax.trainer.train import main as trainer_main
-from tests.helpers import assert_close_to_scale, assert_same_training, tiny_args, trainer_cmd
+from tests.helpers import (
+    assert_close_to_scale,
+    assert_same_training,
+    beside,
+    tiny_args,
+    trainer_cmd,
+)
 
 
 def _losses(out: Path) -> list[float]:
@@ -99,30 +105,26 @@ def test_two_processes_equal_one_process(tmp_path, monkeypatch, tiny_model_dir, 
 def test_resume_after_a_kill_matches_an_uninterrupted_run(tmp_path, tiny_model_dir, prepared):
     flags = {"max_steps": 12, "checkpoint_every": 4, "dropout": 0.1}
     whole, resumed = tmp_path / "whole", tmp_path / "resumed"
-    subprocess.run(
-        trainer_cmd(*tiny_args(tiny_model_dir, prepared, whole, **flags)),
-        check=True,
-        capture_output=True,
-    )
-    # Kill the second run once its step-4 checkpoint is complete, then start it again.
-    proc = subprocess.Popen(
-        trainer_cmd(*tiny_args(tiny_model_dir, prepared, resumed, **flags)),
-        stdout=subprocess.DEVNULL,
-        stderr=subprocess.DEVNULL,
-    )
-    deadline = time.monotonic() + 120
-    while not (resumed / "checkpoints" / "4").is_dir():
-        assert proc.poll() is None and time.monotonic() < deadline
-        time.sleep(0.05)
-    proc.kill()
-    proc.wait()
-    assert not (resumed / "model").exists()
-    out = subprocess.run(
-        trainer_cmd(*tiny_args(tiny_model_dir, prepared, resumed, **flags)),
-        check=True,
-        capture_output=True,
-        text=True,
-    )
+    with beside(trainer_cmd(*tiny_args(tiny_model_dir, prepared, whole, **flags))):
+        # Kill the second run once its step-4 checkpoint is complete, then start it again.
+        proc = subprocess.Popen(
+            trainer_cmd(*tiny_args(tiny_model_dir, prepared, resumed, **flags)),
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.DEVNULL,
+        )
+        deadline = time.monotonic() + 120
+        while not (resumed / "checkpoints" / "4").is_dir():
+            assert proc.poll() is None and time.monotonic() < deadline
+            time.sleep(0.05)
+        proc.kill()
+        proc.wait()
+        assert not (resumed / "model").exists()
+        out = subprocess.run(
+            trainer_cmd(*tiny_args(tiny_model_dir, prepared, resumed, **flags)),
+            check=True,
+            capture_output=True,
+            text=True,
+        )
     assert "resumed at step" in out.stdout
     pa, pb = _params(whole), _params(resumed)
     assert_same_training(*_comparable(_base_params(tiny_model_dir), pa, pb), rel=1e-4)
@@ -687,7 +689,6 @@ def test_validation_packs_short_reviews_and_gives_each_its_own_loss():
     # The trainer's validation packs reviews several to a row, as prediction does: the loss and
     # accuracy must be those of each review run alone, in fewer rows than reviews.
     import jax
-    import jax.numpy as jnp
     import optax
     from flax import nnx
 
@@ -714,8 +715,11 @@ def test_validation_packs_short_reviews_and_gives_each_its_own_loss():
         return step(params, batch)
 
     got = evaluate_split(recording, params, split, TrainConfig(eval_batch_size=8), mesh)
-    one = jax.jit(lambda i: model(i, jnp.ones_like(i)))
-    alone = np.stack([np.asarray(one(r[None]))[0] for r in rows])
+    # Each review alone: a row of its own, padded (one shape to compile, not one a length).
+    ids, mask = np.zeros((40, 30), np.int32), np.zeros((40, 30), np.int32)
+    for i, r in enumerate(rows):
+        ids[i, : len(r)], mask[i, : len(r)] = r, 1
+    alone = np.asarray(jax.jit(model)(ids, mask))
     loss = optax.softmax_cross_entropy_with_integer_labels(alone, labels).mean()
     assert got["eval_loss"] == pytest.approx(float(loss), rel=1e-5)
     top2 = np.sort(alone, 1)[:, -2:]

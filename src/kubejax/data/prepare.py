@@ -77,7 +77,10 @@ class PrepareConfig:
     deduplicate: bool = _f(False, "drop repeated texts (first kept)")
     unescape_newlines: bool = _f(True, "the literal two characters \\n become newlines")
     seed: int = _f(0, "seed of the splits and caps")
-    extra: dict = field(default_factory=dict)  # recorded in metadata as is (no flag)
+    extra: dict = field(
+        default_factory=dict,
+        metadata={"help": "Python only (no flag): entries kept as is in the dataset's metadata"},
+    )
 
     def __post_init__(self):
         self.tokenizer, self.source = str(self.tokenizer), str(self.source)
