@@ -121,6 +121,24 @@ def test_pbt_restarts_a_bottom_trial_from_a_top_trials_checkpoint(tmp_path):
     assert _program_processes(tmp_path) == []
 
 
+def test_pbt_copies_the_pointed_checkpoint_or_the_donors_latest_when_it_is_gone(tmp_path):
+    """A donor's job keeps its last `keep_checkpoints` only: when PBT exploits it after the
+    pointed checkpoint was deleted, the restart copies the donor's latest and starts there."""
+    from kubejax.tune.ray_tune import copy_donor_checkpoint
+
+    donor = tmp_path / "donor"
+    for step in (32, 40):
+        (donor / "checkpoints" / str(step)).mkdir(parents=True)
+        (donor / "checkpoints" / str(step) / "state").write_text(str(step))
+    (donor / "checkpoints" / "48.orbax-checkpoint-tmp-1").mkdir()  # still being written
+    assert copy_donor_checkpoint(donor, 32, tmp_path / "a") == 32
+    assert copy_donor_checkpoint(donor, 24, tmp_path / "b") == 40
+    assert (tmp_path / "b" / "checkpoints" / "40" / "state").read_text() == "40"
+    assert [p.name for p in (tmp_path / "b" / "checkpoints").iterdir()] == ["40"]
+    with pytest.raises(FileNotFoundError, match="no checkpoint left"):
+        copy_donor_checkpoint(tmp_path / "gone", 24, tmp_path / "c")
+
+
 def test_a_cancelled_ray_sweep_leaves_no_job(tmp_path):
     cfg = _cfg(scheduler="none", max_trials=2, parallelism=2)
 

@@ -185,9 +185,29 @@ def _output_for(root: Path, trial_id: str, checkpoint) -> tuple[Path, int, str]:
         return out, 0, ""
     with checkpoint.as_directory() as folder:
         pointer = json.loads((Path(folder) / POINTER).read_text())
-    source = Path(pointer["output_dir"]) / CHECKPOINTS / str(pointer["step"])
-    shutil.copytree(source, out / CHECKPOINTS / str(pointer["step"]))
-    return out, int(pointer["step"]), pointer["output_dir"]
+    step = copy_donor_checkpoint(Path(pointer["output_dir"]), int(pointer["step"]), out)
+    return out, step, pointer["output_dir"]
+
+
+def copy_donor_checkpoint(donor: Path, step: int, out: Path, attempts: int = 5) -> int:
+    """Copy the donor's Orbax checkpoint of `step` into `out`'s checkpoints and return the step
+    copied. A donor whose job runs on keeps its last `keep_checkpoints` only, so by the time
+    PBT exploits it the pointed one may be gone: then its latest complete one, which is the
+    donor's state PBT means to copy, only newer. FileNotFoundError when it has none left."""
+    for _ in range(attempts):
+        saved = sorted((int(p.name) for p in (donor / CHECKPOINTS).glob("*") if p.name.isdigit()),
+                       reverse=True)  # fmt: skip
+        if step in saved:  # the pointed one first
+            saved.remove(step)
+            saved.insert(0, step)
+        for candidate in saved:
+            target = out / CHECKPOINTS / str(candidate)
+            try:  # the donor's job may delete it while it is copied: then the next one
+                shutil.copytree(donor / CHECKPOINTS / str(candidate), target)
+                return candidate
+            except (OSError, shutil.Error):
+                shutil.rmtree(target, ignore_errors=True)
+    raise FileNotFoundError(f"PBT: the donor {donor} has no checkpoint left to copy")
 
 
 def _follow(client, name, out: Path, start_step: int, objective: str, poll: float, failed):
