@@ -85,10 +85,13 @@ def measure(trials: int = 24, steps: int = 20) -> dict:
     }
 
 
-def _spent(cfg, data, root, fixed, sweep) -> dict:
+def _spent(cfg, data, root, fixed) -> dict:
     """One sweep's best value and what it cost (PBT's restarts are starts of one trial)."""
-    result, _ = sweep(cfg, data_dir=str(data), trials_root=str(root), hyperparameters=fixed,
-                      backend="local", log=lambda _: None)  # fmt: skip
+    from kubejax.launchers.sweep import sweep_with_jaxjobs
+
+    result, _ = sweep_with_jaxjobs(cfg, data_dir=str(data), trials_root=str(root),
+                                   hyperparameters=fixed, backend="local",
+                                   log=lambda _: None)  # fmt: skip
     return {
         "best_eval_accuracy": round(result.best_value, 4),
         "best_params": result.best_params,
@@ -107,7 +110,6 @@ def pbt_vs_tpe(trials: int = 4, steps: int = 48, eval_every: int = 8) -> dict:
     target."""
     from kubejax.data.prepare import PrepareConfig, prepare_yelp
     from kubejax.data.synthetic import write_yelp_dir
-    from kubejax.launchers.sweep import sweep_with_jaxjobs
     from kubejax.local_run import DEMO_TEST_ROWS, DEMO_TRAIN_ROWS, offline_model
     from kubejax.tune import SweepConfig
 
@@ -126,7 +128,7 @@ def pbt_vs_tpe(trials: int = 4, steps: int = 48, eval_every: int = 8) -> dict:
     pbt = SweepConfig(space=space, seed=0, poll_seconds=0.5, study_name="bench-pbt",
                       tuner="ray", scheduler="pbt", algorithm="random", max_trials=trials,
                       parallelism=trials)  # fmt: skip
-    out["pbt"] = _spent(pbt, data, work / "pbt", fixed, sweep_with_jaxjobs)
+    out["pbt"] = _spent(pbt, data, work / "pbt", fixed)
     # TPE resumes its study (sqlite) with more trials until it has spent PBT's worker-seconds:
     # each round adds as many trials as the budget left pays for at its mean trial's cost.
     budget = out["pbt"]["worker_seconds"]
@@ -136,7 +138,7 @@ def pbt_vs_tpe(trials: int = 4, steps: int = 48, eval_every: int = 8) -> dict:
                           storage=f"sqlite:///{work / 'tpe.db'}", tuner="optuna",
                           algorithm="tpe", pruner="none", parallelism=2,
                           max_trials=max_trials)  # fmt: skip
-        out["tpe"] = _spent(tpe, data, work / "tpe", fixed, sweep_with_jaxjobs)
+        out["tpe"] = _spent(tpe, data, work / "tpe", fixed)
         spent, done = out["tpe"]["worker_seconds"], out["tpe"]["trials"]
         more = round((budget - spent) / (spent / max(done, 1)))
         if more < 1:

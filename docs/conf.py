@@ -23,4 +23,3 @@ nitpicky = True
 
 html_theme = "furo"
 html_title = f"kubejax {release}"
-html_static_path = []

@@ -28,30 +28,32 @@ def beside(cmd: list[str], env: dict[str, str] | None = None, timeout: float = 6
     succeeded (killed if the block fails). Two independent trainer runs of a test overlap this
     way: XLA compiles each program on one core, so on the suite's 2 cores the pair takes
     little more than the longer one."""
-    proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    proc = _start(cmd, env)
     try:
         yield proc
     except BaseException:
         proc.kill()
         proc.communicate()
         raise
-    out, err = proc.communicate(timeout=timeout)
-    assert proc.returncode == 0, f"{cmd}: exit {proc.returncode}\n{out[-2000:]}\n{err[-3000:]}"
+    _finish(cmd, proc, timeout)
 
 
 def side_by_side(cmds: list[list[str]], env: dict[str, str], timeout: float = 600) -> list[str]:
     """Run the commands at once and return each one's standard output, checking that each
     succeeded: independent programs to compile, each on a core of its own."""
-    procs = [
-        subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-        for cmd in cmds
-    ]
-    outs = []
-    for cmd, proc in zip(cmds, procs, strict=True):
-        out, err = proc.communicate(timeout=timeout)
-        assert proc.returncode == 0, f"{cmd}: exit {proc.returncode}\n{err[-3000:]}"
-        outs.append(out)
-    return outs
+    procs = [_start(cmd, env) for cmd in cmds]
+    return [_finish(cmd, proc, timeout) for cmd, proc in zip(cmds, procs, strict=True)]
+
+
+def _start(cmd: list[str], env: dict[str, str] | None) -> subprocess.Popen:
+    return subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+
+
+def _finish(cmd: list[str], proc: subprocess.Popen, timeout: float) -> str:
+    """Wait for `proc`, check that it succeeded, return its standard output."""
+    out, err = proc.communicate(timeout=timeout)
+    assert proc.returncode == 0, f"{cmd}: exit {proc.returncode}\n{out[-2000:]}\n{err[-3000:]}"
+    return out
 
 
 def env_with_no_jax_cache(cache_home: Path) -> dict[str, str]:

@@ -137,7 +137,7 @@ def components_page() -> str:
 
 
 def config_table(cls) -> str:
-    """Setting | Flag | Type | Default | Meaning, for a typed config's fields."""
+    """Setting | Type | Default | Meaning, for a typed config's fields."""
     hints = typing.get_type_hints(cls)
     rows = ["| Setting | Type | Default | Meaning |", "| --- | --- | --- | --- |"]
     for f in dataclasses.fields(cls):
