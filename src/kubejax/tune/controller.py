@@ -10,7 +10,6 @@ that are still running.
 
 from __future__ import annotations
 
-import json
 import math
 import time
 from collections.abc import Callable
@@ -25,6 +24,7 @@ from kubejax.flags import setting as _f
 from kubejax.jobs.client import FAILED, SUCCEEDED, SUSPENDED, JAXJobClient
 from kubejax.jobs.launch import delete_on_sigterm
 from kubejax.jobs.spec import JAXJobSpec, job_name
+from kubejax.trainer.outputs import read_metrics
 from kubejax.tune.katib import ALGORITHMS as KATIB_ALGORITHMS
 from kubejax.tune.ray_tune import ALGORITHMS as RAY_ALGORITHMS
 from kubejax.tune.space import (
@@ -162,14 +162,6 @@ class SweepResult:
 
 #: (trial number, params, output folder, job name) → the trial's job.
 TrialSpecFactory = Callable[[int, dict, str, str], JAXJobSpec]
-
-
-def read_metrics(output_dir: str | Path) -> dict:
-    """A trial's metrics.json; {} while it is not written yet (or being replaced)."""
-    try:
-        return json.loads((Path(output_dir) / "metrics.json").read_text())
-    except (OSError, json.JSONDecodeError):
-        return {}
 
 
 @dataclass

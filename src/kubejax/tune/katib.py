@@ -31,6 +31,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
+from kubejax.trainer.outputs import read_metrics
 from kubejax.tune.space import RESOURCE_PARAMS, SweepError
 
 GROUP, VERSION = "kubeflow.org", "v1beta1"
@@ -413,7 +414,7 @@ def trial_records(cfg, trials: list[dict], trials_root: str, workers: int) -> li
         observed = metrics.get(cfg.objective, {}).get("latest")
         value = float(observed) if state == "complete" and observed not in (None, "") else None
         assigned = {a["name"]: a["value"] for a in t["spec"].get("parameterAssignments", [])}
-        output = _read(Path(trials_root) / t["metadata"]["name"] / "metrics.json")
+        output = read_metrics(Path(trials_root) / t["metadata"]["name"])
         start, end = _epoch(status.get("startTime")), _epoch(status.get("completionTime"))
         seconds = None if start is None or end is None else end - start
         out.append({
@@ -432,13 +433,6 @@ def trial_records(cfg, trials: list[dict], trials_root: str, workers: int) -> li
             "mlflow_run_id": output.get("mlflow_run_id", ""),
         })  # fmt: skip
     return out
-
-
-def _read(path: Path) -> dict:
-    try:
-        return json.loads(path.read_text())
-    except (OSError, json.JSONDecodeError):
-        return {}
 
 
 def _epoch(text: str | None) -> float | None:

@@ -27,6 +27,7 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
+from kubejax.trainer.outputs import read_metrics
 from kubejax.tune.space import SweepError
 
 SCHEDULERS = ("none", "asha", "pbt")
@@ -238,10 +239,7 @@ def _follow(client, name, out: Path, start_step: int, objective: str, poll: floa
 
 
 def _evals(out: Path) -> list[dict]:
-    try:
-        return json.loads((out / "metrics.json").read_text()).get("evals", [])
-    except (OSError, json.JSONDecodeError):
-        return []
+    return read_metrics(out).get("evals", [])
 
 
 def _note_end(out: Path) -> None:
@@ -355,18 +353,14 @@ def _state(result, last_output: str) -> str:
     """complete (the last job ran to its end), pruned (stopped by the scheduler) or failed."""
     if result is None or result.error is not None:
         return "failed"
-    try:
-        status = json.loads((Path(last_output) / "metrics.json").read_text()).get("status")
-    except (OSError, json.JSONDecodeError):
+    metrics = read_metrics(last_output)
+    if not metrics:
         return "failed"
-    return "complete" if status == "completed" else "pruned"
+    return "complete" if metrics.get("status") == "completed" else "pruned"
 
 
 def _run_id(output_dir: str) -> str:
-    try:
-        return json.loads((Path(output_dir) / "metrics.json").read_text()).get("mlflow_run_id", "")
-    except (OSError, json.JSONDecodeError):
-        return ""
+    return read_metrics(output_dir).get("mlflow_run_id", "")
 
 
 def run(
