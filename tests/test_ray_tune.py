@@ -89,8 +89,9 @@ def test_pbt_restarts_a_bottom_trial_from_a_top_trials_checkpoint(tmp_path):
     mutated learning rate."""
     cfg = _cfg(scheduler="pbt", perturbation_interval=2, pbt_mutations="learning_rate", seed=0)
     # Trials long enough to run side by side (Ray starts them one by one, and PBT compares a
-    # trial only with the population still running).
-    trials, _ = _run(cfg, tmp_path, steps=24, sleep=0.15)
+    # trial only with the population still running): 6 s each, so that a start delayed by a
+    # busy machine still overlaps the others.
+    trials, _ = _run(cfg, tmp_path, steps=24, sleep=0.25)
     exploits = [
         (t, i)
         for t in trials

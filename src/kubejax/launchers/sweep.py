@@ -30,7 +30,7 @@ from kubejax.launchers.common import (
     worker_env,
 )
 from kubejax.launchers.katib import sweep_with_katib
-from kubejax.trainer.outputs import read_metrics
+from kubejax.outputs import read_metrics
 from kubejax.tune import katib, ray_tune
 from kubejax.tune.controller import (
     SweepConfig,

@@ -31,8 +31,8 @@ from kubejax.launchers.common import (
     with_settings,
     worker_env,
 )
+from kubejax.outputs import METRICS_FILE, MODEL_DIR
 from kubejax.trainer.config import ConfigError
-from kubejax.trainer.outputs import METRICS_FILE, MODEL_DIR
 from kubejax.version import IMAGE
 
 #: The figures the train step reports in the KFP UI (metrics.json's `final`).

@@ -35,11 +35,11 @@ from kubejax.errors import KubejaxError
 from kubejax.models import lora, weights
 from kubejax.models.bert import BertClassifier
 from kubejax.models.kernels import matrices_in
+from kubejax.outputs import ADAPTER_DIR, METRICS_FILE, MODEL_DIR, UNDELIVERED_FILE
 from kubejax.trainer import distributed, plan, sharding
 from kubejax.trainer.checkpoint import Checkpointer
 from kubejax.trainer.compile_cache import use_user_dir
 from kubejax.trainer.config import ConfigError, TrainConfig
-from kubejax.trainer.outputs import ADAPTER_DIR, METRICS_FILE, MODEL_DIR, UNDELIVERED_FILE
 from kubejax.trainer.steps import make_eval_step, make_train_step
 from kubejax.trainer.trainer_status import StatusReporter
 

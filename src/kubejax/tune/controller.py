@@ -24,7 +24,7 @@ from kubejax.flags import setting as _f
 from kubejax.jobs.client import FAILED, SUCCEEDED, SUSPENDED, JAXJobClient
 from kubejax.jobs.launch import delete_on_sigterm
 from kubejax.jobs.spec import JAXJobSpec, job_name
-from kubejax.trainer.outputs import read_metrics
+from kubejax.outputs import read_metrics
 from kubejax.tune.katib import ALGORITHMS as KATIB_ALGORITHMS
 from kubejax.tune.ray_tune import ALGORITHMS as RAY_ALGORITHMS
 from kubejax.tune.space import (

@@ -31,7 +31,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
-from kubejax.trainer.outputs import read_metrics
+from kubejax.outputs import read_metrics
 from kubejax.tune.space import RESOURCE_PARAMS, SweepError
 
 GROUP, VERSION = "kubeflow.org", "v1beta1"

@@ -27,7 +27,7 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
-from kubejax.trainer.outputs import read_metrics
+from kubejax.outputs import read_metrics
 from kubejax.tune.space import SweepError
 
 SCHEDULERS = ("none", "asha", "pbt")

@@ -1,5 +1,6 @@
 """What a training job leaves in its output folder: the contract between the trainer (in the
-workers) and the launcher (in the KFP task). Importable without jax."""
+workers) and what reads it (the launchers in the KFP tasks, the sweeps). Importable without
+jax."""
 
 import json
 from pathlib import Path
