@@ -101,7 +101,9 @@ def ours(batch: int, length: int, steps: int, warmup: int, lora_rank: int = 0) -
     else:
         graphdef, params = nnx.split(model)
     params = distributed.replicate(params, mesh)
-    opt_state = jax.jit(tx.init)(params)
+    # Placed as the trainer places it (`train.place_state`): on the mesh, like the step's own
+    # output, so that the second step does not trace and compile the step again.
+    opt_state = jax.jit(tx.init, out_shardings=distributed.replicated(mesh))(params)
     step = make_train_step(graphdef, tx, mesh, 0, sparse, None, frozen)
     ids, mask, labels = _batch(batch, length)
     data = distributed.global_batch(
