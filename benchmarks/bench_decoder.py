@@ -74,9 +74,12 @@ def _peak_rss_gb() -> float:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20
 
 
-def ours(batch: int, length: int, steps: int, warmup: int, lora_rank: int = 0) -> dict:
+def ours(
+    batch: int, length: int, steps: int, warmup: int, lora_rank: int = 0, qtype: str = ""
+) -> dict:
     """Our trainer's step (`steps.make_train_step`, the trainer's optimizer) on one batch; with
-    `lora_rank`, LoRA on the attention projections (alpha 2 × rank), the base frozen."""
+    `lora_rank`, LoRA on the attention projections (alpha 2 × rank), the base frozen, and with
+    `qtype` (QLoRA) the base's projections stored quantized as the trainer stores them."""
     import jax
     import numpy as np
     from flax import nnx
@@ -96,6 +99,8 @@ def ours(batch: int, length: int, steps: int, warmup: int, lora_rank: int = 0) -
     frozen, sparse = None, model.sparse_embedding
     if lora_rank:
         lora.apply(model, lora_rank, 2.0 * lora_rank, "attention")
+        if qtype:
+            lora.quantize(model, qtype)
         graphdef, params, frozen = nnx.split(model, lora.TRAINABLE, ...)
         frozen, sparse = distributed.replicate(frozen, mesh), None
     else:
@@ -111,14 +116,19 @@ def ours(batch: int, length: int, steps: int, warmup: int, lora_rank: int = 0) -
         mesh,
         leading=1,
     )
-    times = []
+    times, losses = [], []
     for i in range(warmup + steps):
         t = time.perf_counter()
         params, opt_state, metrics = step(params, opt_state, data, i, np.float32(1e-5))
-        jax.block_until_ready(metrics["loss"])
+        losses.append(float(metrics["loss"]))
         times.append(time.perf_counter() - t)
     return {
         "step_s": statistics.median(times[warmup:]),
+        "losses": losses,
+        # The model's bytes on the device: the frozen base (quantized under QLoRA) and what
+        # trains.
+        "frozen_bytes": sum(x.nbytes for x in jax.tree.leaves(frozen)),
+        "trained_bytes": sum(x.nbytes for x in jax.tree.leaves(params)),
         "peak_rss_gb": _peak_rss_gb(),
         "optimizer_state_bytes": sum(x.nbytes for x in jax.tree.leaves(opt_state)),
         "full_optimizer_state_bytes": sum(
@@ -367,15 +377,40 @@ def measure(steps: int = 3, batch: int = 8, length: int = 256, warmup: int = 1) 
 def lora_vs_peft(steps: int = 3, batch: int = 8, length: int = 256, warmup: int = 1) -> dict:
     """LoRA fine-tuning of the Qwen2.5-0.5B shape (rank 16 on the attention projections,
     alpha 32, the classifier's head trained whole), ours against transformers + PEFT + torch
-    eager on the same shape, batch and optimizer, each in a process of its own; and the
-    optimizer state's bytes of LoRA against full fine-tuning."""
+    eager on the same shape, batch and optimizer, each in a process of its own; the optimizer
+    state's bytes of LoRA against full fine-tuning; and QLoRA (nf4, int8) against LoRA on the
+    same settings: the model's bytes on the device, the step and the losses."""
+    from kubejax.models.quantize import QTYPES
+
     here = str(Path(__file__))
     common = ["--steps", str(steps), "--batch", str(batch), "--length", str(length)]
     common += ["--warmup", str(warmup), "--lora-rank", "16"]
     mine = run_json([here, "--side", "ours", *common], trainer_env())
     peer = run_json([here, "--side", "torch", *common])
-    tokens = batch * length
+    figures = _lora_figures(mine, peer, batch * length)
+    for qtype in QTYPES:
+        q = run_json([here, "--side", "ours", *common, "--qtype", qtype], trainer_env())
+        figures.update(_qlora_figures(qtype, mine, q, batch * length))
+    return figures
+
+
+def _qlora_figures(qtype: str, lora: dict, q: dict, tokens: int) -> dict:
+    """QLoRA's figures against LoRA's run of the same settings: the model on the device (the
+    frozen base and what trains), the step, and the losses (the same initial weights, batch
+    and steps: their gap is the quantization's)."""
+    gap = max(abs(a - b) / abs(b) for a, b in zip(q["losses"], lora["losses"], strict=True))
     return {
+        f"qlora_{qtype}_model_mb": round((q["frozen_bytes"] + q["trained_bytes"]) / 2**20, 1),
+        f"qlora_{qtype}_tokens_per_s": round(tokens / q["step_s"], 1),
+        f"qlora_{qtype}_loss_gap": round(gap, 4),
+        f"qlora_{qtype}_peak_rss_gb": round(q["peak_rss_gb"], 2),
+    }
+
+
+def _lora_figures(mine: dict, peer: dict, tokens: int) -> dict:
+    """LoRA's figures against the peer's, and its optimizer state against full fine-tuning's."""
+    return {
+        "lora_model_mb": round((mine["frozen_bytes"] + mine["trained_bytes"]) / 2**20, 1),
         "lora_train_tokens_per_s": round(tokens / mine["step_s"], 1),
         "lora_peer_tokens_per_s": round(tokens / peer["step_s"], 1),
         "lora_vs_peft_ratio": round(peer["step_s"] / mine["step_s"], 3),
@@ -396,9 +431,10 @@ def main() -> None:
     p.add_argument("--batch", type=int, default=8)
     p.add_argument("--length", type=int, default=256)
     p.add_argument("--lora-rank", type=int, default=0, help="ours/torch: LoRA of this rank")
+    p.add_argument("--qtype", default="", help="ours, with --lora-rank: QLoRA's weight_qtype")
     a = p.parse_args()
     if a.side == "ours":
-        print(json.dumps(ours(a.batch, a.length, a.steps, a.warmup, a.lora_rank)))
+        print(json.dumps(ours(a.batch, a.length, a.steps, a.warmup, a.lora_rank, a.qtype)))
     elif a.side == "torch":
         print(json.dumps(torch_peer(a.batch, a.length, a.steps, a.warmup, a.lora_rank)))
     elif a.side == "checkpoint":

@@ -60,6 +60,10 @@ PEERS = {
     "fsdp_examples_per_s": "fsdp_dp_examples_per_s",
     "lora_train_tokens_per_s": "lora_peer_tokens_per_s",
     "lora_optimizer_state_mb": "full_optimizer_state_mb",
+    "qlora_nf4_model_mb": "lora_model_mb",
+    "qlora_int8_model_mb": "lora_model_mb",
+    "qlora_nf4_tokens_per_s": "lora_train_tokens_per_s",
+    "qlora_int8_tokens_per_s": "lora_train_tokens_per_s",
 }
 BENCHMARKS = {
     "train": bench_train.measure,

@@ -100,9 +100,9 @@ def test_gpu_sh_without_nvidia_smi_says_so(tmp_path):
     assert "needs an NVIDIA GPU" in run.stderr
 
 
-def _common():
-    """benchmarks/common.py, loaded under a name of its own (the folder is not a package)."""
-    spec = importlib.util.spec_from_file_location("bench_common", ROOT / "benchmarks/common.py")
+def _load(name: str):
+    """benchmarks/`name`.py, loaded under a name of its own (the folder is not a package)."""
+    spec = importlib.util.spec_from_file_location(f"bench_{name}", ROOT / f"benchmarks/{name}.py")
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     return module
@@ -111,7 +111,7 @@ def _common():
 def test_the_benchmark_names_the_cpus_family_model_and_matrix_features():
     # Run S (a Zen 4) and run T (an Intel Xeon with AMX) differ 2.3x in their float32 peak;
     # results.md must say which CPU each figure came from, not a marketing name alone.
-    describe = _common().describe_cpu
+    describe = _load("common").describe_cpu
     intel = (
         "processor\t: 0\nvendor_id\t: GenuineIntel\ncpu family\t: 6\nmodel\t\t: 207\n"
         "model name\t: Intel(R) Xeon(R) Processor\nflags\t\t: fpu avx2 avx512f avx512_bf16 "
@@ -141,13 +141,28 @@ def test_the_data_parallel_figure_is_the_median_of_alternated_rounds():
         (metrics([1.0, 18.0, 18.1, 17.9], 17.0), metrics([1.0, 30.6, 30.0, 31.0], 29.0)),
         (metrics([1.0, 17.0, 16.9, 17.2], 16.0), metrics([1.0, 27.2, 27.0, 27.5], 26.0)),
     ]
-    figures = _common().dp_figures(pairs)
+    figures = _load("common").dp_figures(pairs)
     # Median steps after the first: (16.0, 24.0), (18.0, 30.6), (17.0, 27.2).
     assert figures["dp_scaling_efficiency_rounds"] == [0.75, 0.85, 0.8]
     assert figures["dp_scaling_efficiency"] == 0.8
     assert figures["dp_one_process_one_core_examples_per_s"] == 17.0
     assert figures["dp_two_processes_examples_per_s"] == 27.2
     assert figures["dp_scaling_efficiency_mean_of_steps"] == round(26.0 / 32.0, 3)
+
+
+def test_qloras_figures_set_it_against_loras_run_of_the_same_settings():
+    # The loss gap is the largest relative one over the steps (the same initial weights,
+    # batch and steps on both sides); the model's bytes are the frozen base and what trains.
+    bench = _load("bench_decoder")
+    lora = {"losses": [2.0, 1.5, 1.0], "frozen_bytes": 0, "trained_bytes": 0}
+    nf4 = {"losses": [2.02, 1.5, 0.99], "frozen_bytes": 3 * 2**20, "trained_bytes": 2**19,
+           "step_s": 0.5, "peak_rss_gb": 1.234}  # fmt: skip
+    assert bench._qlora_figures("nf4", lora, nf4, tokens=100) == {
+        "qlora_nf4_model_mb": 3.5,
+        "qlora_nf4_tokens_per_s": 200.0,
+        "qlora_nf4_loss_gap": 0.01,
+        "qlora_nf4_peak_rss_gb": 1.23,
+    }
 
 
 BENCH_STEP = ROOT / "benchmarks" / "bench_step.py"
