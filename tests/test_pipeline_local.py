@@ -306,7 +306,9 @@ def test_the_llm_profile_runs_the_llm_pipeline_with_lora_end_to_end(llm_run):
     workdir, summary, printed = llm_run()
     assert summary["pipeline"] == "kubejax-llm" and summary["profile"] == "llm"
     assert summary["trials"] == {"complete": 1, "pruned": 1, "failed": 0}
-    assert summary["best_params"] == {"lora_rank": 4.0}
+    assert summary["best_params"] == {"lora_rank": 4}
+    assert isinstance(summary["best_params"]["lora_rank"], int)  # a rank, not 4.0
+    assert "a small Qwen2-shaped decoder with RANDOM weights built here" in printed
     assert "trial 1 pruned before it started: device_memory: the run needs" in printed
     assert "kubejax trainer: 2 process(es)" in printed
     model = _artifact(workdir, "train", "model")

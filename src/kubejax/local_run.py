@@ -136,6 +136,13 @@ TINY_DECODER = {
     "num_attention_heads": 4, "num_key_value_heads": 2, "max_position_embeddings": 512,
     "tie_word_embeddings": True, "bos_token_id": 0, "eos_token_id": 1, "pad_token_id": 1,
 }  # fmt: skip
+#: What `--profile llm`'s terminal says when it runs on the embedded decoder.
+EMBEDDED_DECODER_NOTE = (
+    "base model: a small Qwen2-shaped decoder with RANDOM weights built here "
+    f"({TINY_DECODER['num_hidden_layers']} layers, hidden {TINY_DECODER['hidden_size']}; no "
+    "pretrained LLM ships with kubejax): the run shows the pipeline, its accuracy nothing "
+    "about LLMs; a real one: --param base_model=Qwen/Qwen2.5-0.5B (or a folder)"
+)
 
 
 def offline_model(workdir: Path) -> str:
@@ -313,10 +320,14 @@ def _summary_from_mlflow(uri: str, experiment: str) -> dict:
 
 
 def _number(v: str):
-    try:
-        return float(v)
-    except ValueError:
-        return v
+    """An MLflow param's string as the number it was (an integer stays one: a LoRA rank of
+    4 reads 4, not 4.0), or the string."""
+    for kind in (int, float):
+        try:
+            return kind(v)
+        except ValueError:
+            pass
+    return v
 
 
 def init_local(workdir: str | Path) -> Path:
@@ -419,6 +430,8 @@ def _run(workdir, pipeline, overrides, profile, verbose, terminal) -> dict:
     log_path.parent.mkdir(parents=True, exist_ok=True)
     print(f"kubejax: {pipeline_name} on this machine in {workdir}", file=terminal)
     print(f"kubejax: {budget}", file=terminal)
+    if profile == "llm" and args.get("base_model") == defaults["base_model"]:
+        print(f"kubejax: {EMBEDDED_DECODER_NOTE}", file=terminal)
     print(f"kubejax: full log: {log_path}", file=terminal, flush=True)
     t0 = time.monotonic()
     run_log = RunLog(log_path, terminal, verbose, total_tasks=task_count(pipeline))
