@@ -400,17 +400,22 @@ def _qlora_figures(qtype: str, lora: dict, q: dict, tokens: int) -> dict:
     and steps: their gap is the quantization's)."""
     gap = max(abs(a - b) / abs(b) for a, b in zip(q["losses"], lora["losses"], strict=True))
     return {
-        f"qlora_{qtype}_model_mb": round((q["frozen_bytes"] + q["trained_bytes"]) / 2**20, 1),
+        f"qlora_{qtype}_model_mb": _model_mb(q),
         f"qlora_{qtype}_tokens_per_s": round(tokens / q["step_s"], 1),
         f"qlora_{qtype}_loss_gap": round(gap, 4),
         f"qlora_{qtype}_peak_rss_gb": round(q["peak_rss_gb"], 2),
     }
 
 
+def _model_mb(run: dict) -> float:
+    """The model's MB on the device in one of `ours`' runs: the frozen base and what trains."""
+    return round((run["frozen_bytes"] + run["trained_bytes"]) / 2**20, 1)
+
+
 def _lora_figures(mine: dict, peer: dict, tokens: int) -> dict:
     """LoRA's figures against the peer's, and its optimizer state against full fine-tuning's."""
     return {
-        "lora_model_mb": round((mine["frozen_bytes"] + mine["trained_bytes"]) / 2**20, 1),
+        "lora_model_mb": _model_mb(mine),
         "lora_train_tokens_per_s": round(tokens / mine["step_s"], 1),
         "lora_peer_tokens_per_s": round(tokens / peer["step_s"], 1),
         "lora_vs_peft_ratio": round(peer["step_s"] / mine["step_s"], 3),
