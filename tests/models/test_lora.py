@@ -149,6 +149,32 @@ def test_quantized_kernels_come_back_within_their_step(qtype):
     absmax = np.repeat(scale, 32, axis=0)
     step = 1 / 254 if qtype == "int8" else np.diff(NF4).max() / 2
     assert np.all(np.abs(back - w) <= step * absmax + 1e-7)
+    if qtype == "nf4":  # each code is a nearest level (ties aside, in the last bit)
+        normed, level = w / absmax, (back / absmax)[..., None]
+        nearest = np.abs(normed[..., None] - NF4).min(-1, keepdims=True)
+        assert np.all(np.abs(normed[..., None] - level) <= nearest + 1e-6)
+
+
+@pytest.mark.parametrize("qtype", ["int8", "nf4"])
+def test_a_checkpoint_loads_its_projections_quantized(tiny_decoder_dir, qtype):
+    """QLoRA's loader quantizes each projection as it is read (no float32 kernel left on a
+    device): the codes and scales of quantizing the loaded float32 model, the rest as loaded."""
+    cfg = weights.load_config(tiny_decoder_dir)
+    direct, _ = weights.from_checkpoint(tiny_decoder_dir, cfg, "causal-lm", 2, jnp.float32,
+                                        qtype=qtype)  # fmt: skip
+    after, _ = weights.from_checkpoint(tiny_decoder_dir, cfg, "causal-lm", 2, jnp.float32)
+    assert lora.quantize(after, qtype) == 7 * cfg.num_hidden_layers
+    assert lora.quantize(direct, qtype) == 0  # nothing left to quantize
+    loaded, expected = lora.projections(direct), lora.projections(after)
+    assert loaded.keys() == expected.keys()
+    for path, layer in loaded.items():
+        assert layer.kernel is None and layer.qtype == qtype, path
+        np.testing.assert_array_equal(layer.qkernel[...], expected[path].qkernel[...])
+        np.testing.assert_array_equal(layer.qscale[...], expected[path].qscale[...])
+    for (path, ours), (_, theirs) in zip(
+        nnx.to_flat_state(nnx.state(direct)), nnx.to_flat_state(nnx.state(after)), strict=True
+    ):
+        np.testing.assert_array_equal(ours[...], theirs[...], err_msg=str(path))
 
 
 def test_qlora_trains_like_lora_on_a_quantized_base(tiny_decoder_dir, prepared_decoder, tmp_path):

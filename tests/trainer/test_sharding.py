@@ -150,8 +150,11 @@ def test_two_processes_give_one_process_losses(
     """2 local workers (gloo between them) under either engine's environment give the single
     process's losses; the model is gathered from the shards the two processes hold.
     jaxjob: data=2 × fsdp=2 over 2 devices a worker (a pod's 2 GPUs, emulated by the local
-    backend as 2 CPU devices). trainjob: resumes the checkpoint a 1-process fsdp=4 run saved
-    at step 1 on fsdp=2 over 2 processes of one device."""
+    backend as 2 CPU devices). trainjob, under QLoRA (nf4): resumes the checkpoint a 1-process
+    fsdp=4 run saved at step 1 on fsdp=2 over 2 processes of one device; each process
+    quantizes the projections as they load and keeps its shards of the codes (quantizing the
+    loaded kernels once gathered what other processes held, and failed); its export replaces
+    the adapter the first run exported into the same output_dir (which once failed)."""
     from safetensors.numpy import load_file
 
     from kubejax.jobs.client import JAXJobClient
@@ -160,6 +163,8 @@ def test_two_processes_give_one_process_losses(
     from tests.helpers import trainer_cmd
 
     flags = {"max_steps": 3, "max_eval_examples": 32, "global_batch_size": 8}
+    if contract == "trainjob":
+        flags.update(peft="qlora", weight_qtype="nf4")
     one, two = tmp_path / "one", tmp_path / "two"
     with beside(*_trainer_cmd(tiny_args(tiny_decoder_dir, prepared_decoder, one, **flags), 1)):
         if contract == "jaxjob":

@@ -33,6 +33,8 @@ from kubejax.models.decoder import (
     DecoderConfig,
     DecoderLM,
 )
+from kubejax.models.projection import Projection
+from kubejax.models.quantize import quantize_kernel
 
 log = logging.getLogger(__name__)
 
@@ -134,24 +136,49 @@ def _set(var: nnx.Variable, reader: _Reader, key: str, transpose: bool, sharding
     """Fill `var` from the checkpoint: whole on the default device, or with `sharding` each
     device's part read straight from the file (no device holds the whole tensor)."""
     current = var.get_value()  # a ShapeDtypeStruct in an abstract model
-    shape = reader.shape(key, transpose)
-    if tuple(current.shape) != shape:
-        raise ValueError(f"model: tensor {key} has shape {shape[::-1] if transpose else shape}")
+    _check_shape(current, reader, key, transpose)
     if sharding is None:
         var.set_value(jnp.asarray(reader.get(key, transpose), dtype=current.dtype))
         return
     var.set_value(
         jax.make_array_from_callback(
-            shape, sharding, lambda index: reader.get(key, transpose, index).astype(current.dtype)
+            current.shape,
+            sharding,
+            lambda index: reader.get(key, transpose, index).astype(current.dtype),
         )
     )
 
 
-def load_pretrained(model, model_dir: Path, placement=None) -> list[str]:
+def _check_shape(current, reader: _Reader, key: str, transpose: bool) -> None:
+    shape = reader.shape(key, transpose)
+    if tuple(current.shape) != shape:
+        raise ValueError(f"model: tensor {key} has shape {shape[::-1] if transpose else shape}")
+
+
+def _set_quantized(layer, reader: _Reader, key: str, qtype: str, name: str, placement) -> None:
+    """Fill a projection's kernel from the checkpoint stored quantized (QLoRA): the tensor read
+    whole into host memory, quantized there and only its codes and scales put on the devices,
+    in their shards with `placement` (`name`: the kernel's dotted path). No device ever holds
+    the kernel in float32, and a kernel sharded over other processes is never gathered."""
+    _check_shape(layer.kernel.get_value(), reader, key, True)
+    codes, scale = quantize_kernel(reader.get(key, True), qtype)
+    stem = name.rsplit(".", 1)[0]
+
+    def put(value: np.ndarray, suffix: str) -> jax.Array:
+        if placement is None:
+            return jnp.asarray(value)
+        sharding = placement(f"{stem}.{suffix}", value.shape)
+        return jax.make_array_from_callback(value.shape, sharding, lambda index: value[index])
+
+    layer.store_quantized(put(codes, "qkernel"), put(scale, "qscale"), qtype)
+
+
+def load_pretrained(model, model_dir: Path, placement=None, qtype: str = "") -> list[str]:
     """Fill an (abstract) decoder from a checkpoint folder, tensor by tensor; returns the parts
     left for fresh initialisation ("score" when the checkpoint has no head of this shape).
     Raises KeyError naming every missing and unexpected tensor. `placement(name, shape)`: the
-    sharding of the parameter called `name` (its dotted path), to load it into its shards."""
+    sharding of the parameter called `name` (its dotted path), to load it into its shards.
+    `qtype` (QLoRA's `weight_qtype`): the projections' kernels stored quantized as they load."""
     files = checkpoint_files(model_dir)
     prefix = _language_prefix(files)
     table = [(var, prefix + key, t) for var, key, t in param_table(model)]
@@ -174,9 +201,19 @@ def load_pretrained(model, model_dir: Path, placement=None) -> list[str]:
             f"model: the checkpoint in {model_dir} does not match its config.json: "
             f"missing {_few(missing)}; unexpected {_few(unexpected)}"
         )
-    names = {id(v): ".".join(map(str, p)) for p, v in nnx.iter_graph(model)} if placement else {}
+    names = {id(v): ".".join(map(str, p)) for p, v in nnx.iter_graph(model)}
+    # The decoder's own projections (its heads are not in `model.model`).
+    quantized = {
+        id(node.kernel): node
+        for _, node in nnx.iter_graph(model.model)
+        if qtype and isinstance(node, Projection)
+    }
     for var, key, transpose in table + heads:
-        sharding = placement(names[id(var)], var.get_value().shape) if placement else None
+        name = names[id(var)]
+        if id(var) in quantized:
+            _set_quantized(quantized[id(var)], reader, key, qtype, name, placement)
+            continue
+        sharding = placement(name, var.get_value().shape) if placement else None
         _set(var, reader, key, transpose, sharding)
     if isinstance(model, DecoderClassifier) and not heads:
         return ["score"]
@@ -207,13 +244,21 @@ def _few(keys: list[str], most: int = 6) -> str:
 
 
 def from_pretrained(
-    cfg: DecoderConfig, model_dir: Path, task: str, num_labels: int, dtype, seed, placement=None
+    cfg: DecoderConfig,
+    model_dir: Path,
+    task: str,
+    num_labels: int,
+    dtype,
+    seed,
+    placement=None,
+    qtype: str = "",
 ):
     """The decoder of `task` ("classification" or "causal-lm") with the checkpoint's weights
-    (in their shards with `placement`, `load_pretrained`); the score head freshly initialised
-    from `seed` when the checkpoint has none. Returns the model and the fresh parts' names."""
+    (in their shards with `placement`, the projections quantized with `qtype`:
+    `load_pretrained`); the score head freshly initialised from `seed` when the checkpoint has
+    none. Returns the model and the fresh parts' names."""
     model = nnx.eval_shape(lambda: build(cfg, task, num_labels, dtype, seed))
-    fresh = load_pretrained(model, model_dir, placement)
+    fresh = load_pretrained(model, model_dir, placement, qtype)
     if fresh:
         model.init_fresh(fresh, nnx.Rngs(seed))
     return model, fresh

@@ -72,7 +72,7 @@ def target_names(text: str, groups: dict[str, tuple[str, ...]] = TARGET_GROUPS) 
     return tuple(names)
 
 
-def _projections(model) -> dict[str, Projection]:
+def projections(model) -> dict[str, Projection]:
     """Every adaptable projection by its dotted path (heads excluded)."""
     out = {}
     for path, node in nnx.iter_graph(model):
@@ -93,7 +93,7 @@ def apply(
         raise LoraError(f"lora_dropout: must be in [0, 1), got {dropout}")
     groups = BERT_TARGET_GROUPS if _is_bert(model) else TARGET_GROUPS
     names = target_names(targets, groups)
-    found = _projections(model)
+    found = projections(model)
     kinds = sorted({path.rsplit(".", 1)[-1] for path in found})
     missing = [n for n in names if n not in kinds]
     if missing:
@@ -106,7 +106,7 @@ def apply(
     for i, (path, layer) in enumerate(sorted(found.items())):
         if path.rsplit(".", 1)[-1] not in names:
             continue
-        n_in, n_out = layer.kernel.shape
+        n_in, n_out = layer.shape
         bound = 1.0 / np.sqrt(n_in)
         a = jax.random.uniform(jax.random.fold_in(key, i), (n_in, rank), jnp.float32, -bound, bound)
         layer.lora_a = nnx.LoRAParam(a)
@@ -128,7 +128,7 @@ TRAINABLE = nnx.Any(nnx.LoRAParam, *(nnx.PathContains(h) for h in TRAINED_HEADS)
 
 def adapters(model) -> dict[str, Projection]:
     """The adapted projections by path."""
-    return {p: m for p, m in _projections(model).items() if m.lora_a is not None}
+    return {p: m for p, m in projections(model).items() if m.lora_a is not None}
 
 
 def merge(model) -> None:
@@ -211,22 +211,20 @@ def save_adapter(model, out_dir: Path, base_model: str) -> None:
 
 def quantize(model, qtype: str) -> int:
     """Store every projection's kernel of `model` quantized (the frozen base of QLoRA; heads
-    and embeddings stay as they are); the number of kernels quantized."""
+    and embeddings stay as they are; kernels the checkpoint's loader quantized already,
+    `decoder_weights.load_pretrained`, are left); the number of kernels quantized."""
     if qtype not in QTYPES:
         raise LoraError(f"weight_qtype: {qtype!r} is not one of {', '.join(QTYPES)}")
-    layers = _projections(model).values()
+    layers = [layer for layer in projections(model).values() if layer.qkernel is None]
     for layer in layers:
-        codes, scale = quantize_kernel(layer.kernel[...], qtype)
-        layer.kernel = None
-        layer.qkernel = nnx.Param(jnp.asarray(codes))
-        layer.qscale = nnx.Param(jnp.asarray(scale))
-        layer.qtype = qtype
+        codes, scale = quantize_kernel(jax.device_get(layer.kernel[...]), qtype)
+        layer.store_quantized(jnp.asarray(codes), jnp.asarray(scale), qtype)
     return len(layers)
 
 
 def dequantize(model) -> None:
     """Undo `quantize`: float32 kernels from the codes (for the merged export)."""
-    for layer in _projections(model).values():
+    for layer in projections(model).values():
         if layer.qkernel is not None:
             kernel = dequantize_kernel(layer.qkernel[...], layer.qscale[...], layer.qtype)
             layer.kernel = nnx.Param(kernel)

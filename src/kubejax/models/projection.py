@@ -74,6 +74,20 @@ class Projection(nnx.Module):
         self.qkernel, self.qscale = nnx.data(None), nnx.data(None)
         self.qtype = ""
 
+    @property
+    def shape(self) -> tuple[int, int]:
+        """The kernel's [in, out], stored quantized or not."""
+        if self.qkernel is None:
+            return tuple(self.kernel.shape)
+        n_in, n_out = self.qkernel.shape
+        return (n_in if self.qtype == "int8" else 2 * n_in), n_out
+
+    def store_quantized(self, codes: jax.Array, scale: jax.Array, qtype: str) -> None:
+        """Hold the kernel as `quantize_kernel`'s codes and scales (QLoRA's frozen base)."""
+        self.kernel = None
+        self.qkernel, self.qscale = nnx.Param(codes), nnx.Param(scale)
+        self.qtype = qtype
+
     def weight(self) -> jax.Array:
         """The kernel [in, out], dequantized when stored quantized (QLoRA's frozen base)."""
         if self.qkernel is None:

@@ -20,6 +20,8 @@ NF4 = np.array([
     0.07958029955625534, 0.16093020141124725, 0.24611230194568634, 0.33791524171829224,
     0.44070982933044434, 0.5626170039176941, 0.7229568362236023, 1.0,
 ], np.float32)  # fmt: skip
+#: The thresholds between neighbouring NF4 levels.
+NF4_MIDPOINTS = (NF4[1:] + NF4[:-1]) / 2
 QTYPES = ("nf4", "int8")
 #: Weights per absmax scale, along the input axis (QLoRA's block; smaller where the input
 #: width is not a multiple).
@@ -33,21 +35,30 @@ def block_size(n_in: int) -> int:
 
 
 def quantize_kernel(kernel, qtype: str) -> tuple[np.ndarray, np.ndarray]:
-    """(codes, scales) of a kernel [in, out]: per block of `block_size(in)` inputs and each
-    output, the absmax scale [in / block, out] (float32) and the codes: int8 [in, out]
-    (round(w / absmax · 127)), or nf4, two 4-bit codes a byte along the input [in / 2, out]
-    (the nearest NF4 level of w / absmax)."""
-    w = np.asarray(kernel, np.float32)
-    n_in, n_out = w.shape
+    """(codes, scales) of a kernel [in, out] (host values, any float type): per block of
+    `block_size(in)` inputs and each output, the absmax scale [in / block, out] (float32) and
+    the codes: int8 [in, out] (round(w / absmax · 127)), or nf4, two 4-bit codes a byte along
+    the input [in / 2, out] (the nearest NF4 level of w / absmax, a tie to the lower one, as
+    bitsandbytes' thresholds at the levels' midpoints decide it)."""
+    # Worked on in [out, in], where each block of inputs is contiguous: the layout a checkpoint
+    # stores, so that a kernel read from one (a transposed view) is not copied.
+    wt = np.ascontiguousarray(np.asarray(kernel, np.float32).T)
+    n_out, n_in = wt.shape
     block = block_size(n_in)
-    blocks = w.reshape(n_in // block, block, n_out)
-    scale = np.abs(blocks).max(axis=1)
+    blocks = wt.reshape(n_out, n_in // block, block)
+    scale = np.abs(blocks).max(axis=2)
     scale = np.where(scale == 0, 1.0, scale).astype(np.float32)
-    normed = blocks / scale[:, None, :]
+    normed = (blocks / scale[..., None]).reshape(n_out, n_in)
+    scale = np.ascontiguousarray(scale.T)
     if qtype == "int8":
-        return np.round(normed * 127).astype(np.int8).reshape(n_in, n_out), scale
-    codes = np.abs(normed.reshape(n_in, n_out)[..., None] - NF4).argmin(-1).astype(np.uint8)
-    return (codes[0::2] | (codes[1::2] << 4)).astype(np.uint8), scale
+        return np.ascontiguousarray(np.round(normed * 127).astype(np.int8).T), scale
+    # A level's code is the number of midpoints below the value: 15 comparisons, a byte each,
+    # 7 times faster than bisecting (np.searchsorted) and 200 times than the 16-level argmin
+    # of [in, out, 16] values, which took 27 s for Qwen2.5-0.5B's projections (bench/NOTES.md).
+    codes = np.zeros(normed.shape, np.uint8)
+    for midpoint in NF4_MIDPOINTS:
+        codes += normed > midpoint
+    return np.ascontiguousarray((codes[:, 0::2] | (codes[:, 1::2] << 4)).T), scale
 
 
 def dequantize_kernel(codes: jax.Array, scale: jax.Array, qtype: str) -> jax.Array:

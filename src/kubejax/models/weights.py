@@ -300,16 +300,25 @@ def from_pretrained(
 
 
 def from_checkpoint(
-    model_dir: Path, cfg, task: str, num_labels: int, dtype, seed: int = 0, placement=None
+    model_dir: Path,
+    cfg,
+    task: str,
+    num_labels: int,
+    dtype,
+    seed: int = 0,
+    placement=None,
+    qtype: str = "",
 ):
     """The model of `cfg`'s family for `task` with a checkpoint folder's weights; the parts it
     lacks freshly initialised from `seed`. Returns the model and the fresh parts' names.
-    `placement(name, shape)`: a decoder's parameters load straight into those shardings."""
+    `placement(name, shape)`: a decoder's parameters load straight into those shardings;
+    `qtype` (QLoRA): a decoder's projections are stored quantized as they load (a BERT
+    checkpoint, small, loads whole and `lora.quantize` quantizes it after)."""
     if is_decoder(cfg):
         from kubejax.models import decoder_weights
 
         return decoder_weights.from_pretrained(
-            cfg, model_dir, task, num_labels, dtype, seed, placement
+            cfg, model_dir, task, num_labels, dtype, seed, placement, qtype
         )
     return from_pretrained(cfg, num_labels, read_tensors(model_dir), dtype, seed)
 

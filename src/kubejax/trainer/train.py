@@ -18,6 +18,7 @@ import json
 import logging
 import math
 import os
+import shutil
 import sys
 import time
 from dataclasses import dataclass
@@ -112,8 +113,10 @@ def classifier_for(
         # shape or type. (An error of JAX's was once reported as a bad checkpoint.)
         try:
             task = cfg.task or "classification"
+            # QLoRA: the projections quantized as they load, never whole in float32 on a device.
+            qtype = cfg.weight_qtype if cfg.peft == "qlora" else ""
             model, fresh = weights.from_checkpoint(
-                model_dir, model_cfg, task, num_labels, dtype, cfg.seed, placement
+                model_dir, model_cfg, task, num_labels, dtype, cfg.seed, placement, qtype
             )
         except (KeyError, TypeError, ValueError, OSError, SafetensorError) as err:
             family = "BERT" if model_cfg.model_type == "bert" else model_cfg.model_type
@@ -718,6 +721,9 @@ def export_model(
     host_model = nnx.merge(graphdef, *map(_host_params, states))
     if jax.process_index() != 0:
         return
+    # An earlier run's adapter in this output_dir (a job run again, or resumed after its
+    # export) gives way to this run's, or to none for full fine-tuning.
+    shutil.rmtree(Path(cfg.output_dir) / MODEL_DIR / ADAPTER_DIR, ignore_errors=True)
     adapter = None
     if cfg.peft != "none":
         adapter = Path(cfg.output_dir) / f"{MODEL_DIR}.adapter"
