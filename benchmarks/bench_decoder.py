@@ -187,8 +187,9 @@ def make_checkpoint(folder: Path) -> dict:
     return {"file_bytes": files}
 
 
-def load(folder: Path) -> dict:
-    """Peak resident memory of loading the checkpoint, over the process's before it."""
+def load(folder: Path, qtype: str = "") -> dict:
+    """Peak resident memory of loading the checkpoint, over the process's before it; with
+    `qtype`, as QLoRA loads it (each projection quantized as it is read)."""
     import jax
     import jax.numpy as jnp
 
@@ -198,12 +199,12 @@ def load(folder: Path) -> dict:
     before = _peak_rss_gb()
     t = time.perf_counter()
     cfg = weights.load_config(folder)
-    model, _ = weights.from_checkpoint(folder, cfg, "causal-lm", 0, jnp.float32)
+    model, _ = weights.from_checkpoint(folder, cfg, "causal-lm", 0, jnp.float32, qtype=qtype)
+    jax.block_until_ready(jax.tree.leaves(model))
     seconds = time.perf_counter() - t
-    params = sum(x.size for x in jax.tree.leaves(model))
     return {
         "load_s": seconds,
-        "model_bytes": 4 * params,
+        "model_bytes": sum(x.nbytes for x in jax.tree.leaves(model)),
         "peak_rss_delta_bytes": int((_peak_rss_gb() - before) * 2**30),
     }
 
@@ -347,6 +348,8 @@ def largest_under_cap(cap: str = "1GiB", batch: int = 2, steps: int = 3) -> dict
 
 def measure(steps: int = 3, batch: int = 8, length: int = 256, warmup: int = 1) -> dict:
     """Every decoder figure, each side in a process of its own."""
+    from kubejax.models.quantize import QTYPES
+
     here = str(Path(__file__))
     common = ["--steps", str(steps), "--batch", str(batch), "--length", str(length)]
     common += ["--warmup", str(warmup)]
@@ -358,6 +361,10 @@ def measure(steps: int = 3, batch: int = 8, length: int = 256, warmup: int = 1) 
     folder = scratch_dir("kubejax-bench-decoder-") / "qwen25-shape-bf16"
     made = run_json([here, "--side", "checkpoint", "--folder", str(folder)])
     loaded = run_json([here, "--side", "load", "--folder", str(folder)])
+    qloaded = {
+        qtype: run_json([here, "--side", "load", "--folder", str(folder), "--qtype", qtype])
+        for qtype in QTYPES
+    }
     return {
         "decoder_train_tokens_per_s": round(tokens / mine["step_s"], 1),
         "decoder_train_peer_tokens_per_s": round(tokens / peer["step_s"], 1),
@@ -371,6 +378,15 @@ def measure(steps: int = 3, batch: int = 8, length: int = 256, warmup: int = 1) 
         "decoder_load_model_gb": round(loaded["model_bytes"] / 1e9, 3),
         "decoder_load_peak_rss_delta_gb": round(loaded["peak_rss_delta_bytes"] / 1e9, 3),
         "decoder_load_s": round(loaded["load_s"], 2),
+        **{
+            f"qlora_{qtype}_load_{name}": value
+            for qtype, q in qloaded.items()
+            for name, value in (
+                ("model_gb", round(q["model_bytes"] / 1e9, 3)),
+                ("peak_rss_delta_gb", round(q["peak_rss_delta_bytes"] / 1e9, 3)),
+                ("s", round(q["load_s"], 2)),
+            )
+        },
     }
 
 
@@ -436,7 +452,7 @@ def main() -> None:
     p.add_argument("--batch", type=int, default=8)
     p.add_argument("--length", type=int, default=256)
     p.add_argument("--lora-rank", type=int, default=0, help="ours/torch: LoRA of this rank")
-    p.add_argument("--qtype", default="", help="ours, with --lora-rank: QLoRA's weight_qtype")
+    p.add_argument("--qtype", default="", help="ours (with --lora-rank), load: QLoRA's qtype")
     a = p.parse_args()
     if a.side == "ours":
         print(json.dumps(ours(a.batch, a.length, a.steps, a.warmup, a.lora_rank, a.qtype)))
@@ -445,7 +461,7 @@ def main() -> None:
     elif a.side == "checkpoint":
         print(json.dumps(make_checkpoint(a.folder)))
     elif a.side == "load":
-        print(json.dumps(load(a.folder)))
+        print(json.dumps(load(a.folder, a.qtype)))
     else:
         print(json.dumps({"machine": machine(), **measure(a.steps, a.batch, a.length, a.warmup)}))
 

@@ -64,6 +64,8 @@ PEERS = {
     "qlora_int8_model_mb": "lora_model_mb",
     "qlora_nf4_tokens_per_s": "lora_train_tokens_per_s",
     "qlora_int8_tokens_per_s": "lora_train_tokens_per_s",
+    "qlora_nf4_load_peak_rss_delta_gb": "decoder_load_peak_rss_delta_gb",
+    "qlora_int8_load_peak_rss_delta_gb": "decoder_load_peak_rss_delta_gb",
 }
 BENCHMARKS = {
     "train": bench_train.measure,
