@@ -132,7 +132,7 @@ def test_resume_after_a_kill_matches_an_uninterrupted_run(tmp_path, tiny_model_d
 
 @pytest.mark.slow
 def test_minilm_learns_synthetic_reviews(tmp_path, minilm_dir, prepared):
-    out, steps = tmp_path / "minilm", 20
+    out, steps = tmp_path / "minilm", 16
     args = tiny_args(
         minilm_dir,
         prepared,
@@ -143,6 +143,7 @@ def test_minilm_learns_synthetic_reviews(tmp_path, minilm_dir, prepared):
         log_every=10,
         max_eval_examples=0,
         dropout=0.1,
+        save_final=False,
     )
     assert trainer_main(args) == 0
     final = json.loads((out / "metrics.json").read_text())["final"]
