@@ -111,6 +111,30 @@ def test_bfloat16_sharded_checkpoint_loads(tmp_path):
     assert_close_to_scale(ours[real], expected.numpy()[real], 1e-4, "bf16 checkpoint logits")
 
 
+@pytest.mark.parametrize("head", ["classification", "causal-lm"])
+def test_the_matrices_load_in_the_param_dtype(tmp_path, head):
+    """With `matrices` (a bfloat16 run's param_dtype) a float32 checkpoint's weight matrices
+    and tables load in bfloat16, equal to the float32 load cast afterwards (which held the
+    float32 model on the devices first); vectors and a classifier's head stay float32."""
+    from flax import nnx
+
+    from kubejax.models.kernels import matrices_in
+
+    save_tiny("llama", tmp_path, head=head)
+    cfg = weights.load_config(tmp_path)
+    load = lambda **kw: weights.from_checkpoint(tmp_path, cfg, head, 3, jnp.float32, **kw)[0]  # noqa: E731
+    ours, theirs = load(matrices=jnp.bfloat16), load()
+    flat = nnx.to_flat_state(nnx.state(ours))
+    expected = nnx.to_flat_state(matrices_in(nnx.state(theirs), jnp.bfloat16))
+    for (path, mine), (_, cast) in zip(flat, expected, strict=True):
+        value = mine[...]
+        if value.ndim < 2 or path[0] == "score":
+            assert value.dtype == jnp.float32, path
+            continue
+        assert value.dtype == jnp.bfloat16, path
+        np.testing.assert_array_equal(value, cast[...], err_msg=str(path))
+
+
 def test_a_checkpoint_that_does_not_match_its_config_is_named(tmp_path):
     from safetensors.numpy import load_file, save_file
 

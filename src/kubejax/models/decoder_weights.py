@@ -123,28 +123,30 @@ class _Reader:
             shape = tuple(f.get_slice(key).get_shape())
         return shape[::-1] if transpose else shape
 
-    def get(self, key: str, transpose: bool, index: tuple = ()) -> np.ndarray:
-        """The tensor (our layout: [in, out] where the file holds [out, in]), or the part of it
-        at `index` (slices over our layout), read alone from the file."""
+    def get(self, key: str, transpose: bool, index: tuple = (), dtype=np.float32) -> np.ndarray:
+        """The tensor in `dtype` (our layout: [in, out] where the file holds [out, in]), or the
+        part of it at `index` (slices over our layout), read alone from the file."""
         index = tuple(index[::-1] if transpose else index) or (slice(None),)
         with self._open(key) as f:
-            value = f.get_slice(key)[index].astype(np.float32)
+            value = f.get_slice(key)[index].astype(dtype)
         return value.T if transpose else value
 
 
-def _set(var: nnx.Variable, reader: _Reader, key: str, transpose: bool, sharding) -> None:
-    """Fill `var` from the checkpoint: whole on the default device, or with `sharding` each
-    device's part read straight from the file (no device holds the whole tensor)."""
+def _set(
+    var: nnx.Variable, reader: _Reader, key: str, transpose: bool, sharding, dtype=None
+) -> None:
+    """Fill `var` from the checkpoint, in `dtype` (None: the variable's own): whole on the
+    default device, or with `sharding` each device's part read straight from the file (no
+    device holds the whole tensor)."""
     current = var.get_value()  # a ShapeDtypeStruct in an abstract model
     _check_shape(current, reader, key, transpose)
+    dtype = np.dtype(dtype or current.dtype)
     if sharding is None:
-        var.set_value(jnp.asarray(reader.get(key, transpose), dtype=current.dtype))
+        var.set_value(jnp.asarray(reader.get(key, transpose, dtype=dtype)))
         return
     var.set_value(
         jax.make_array_from_callback(
-            current.shape,
-            sharding,
-            lambda index: reader.get(key, transpose, index).astype(current.dtype),
+            current.shape, sharding, lambda index: reader.get(key, transpose, index, dtype)
         )
     )
 
@@ -173,12 +175,16 @@ def _set_quantized(layer, reader: _Reader, key: str, qtype: str, name: str, plac
     layer.store_quantized(put(codes, "qkernel"), put(scale, "qscale"), qtype)
 
 
-def load_pretrained(model, model_dir: Path, placement=None, qtype: str = "") -> list[str]:
+def load_pretrained(
+    model, model_dir: Path, placement=None, qtype: str = "", matrices=None
+) -> list[str]:
     """Fill an (abstract) decoder from a checkpoint folder, tensor by tensor; returns the parts
     left for fresh initialisation ("score" when the checkpoint has no head of this shape).
     Raises KeyError naming every missing and unexpected tensor. `placement(name, shape)`: the
     sharding of the parameter called `name` (its dotted path), to load it into its shards.
-    `qtype` (QLoRA's `weight_qtype`): the projections' kernels stored quantized as they load."""
+    `qtype` (QLoRA's `weight_qtype`): the projections' kernels stored quantized as they load.
+    `matrices` (the run's `param_dtype`): the dtype the weight matrices and embedding tables
+    load in (a classifier's `score` stays float32: LoRA trains it in float32)."""
     files = checkpoint_files(model_dir)
     prefix = _language_prefix(files)
     table = [(var, prefix + key, t) for var, key, t in param_table(model)]
@@ -213,8 +219,10 @@ def load_pretrained(model, model_dir: Path, placement=None, qtype: str = "") -> 
         if id(var) in quantized:
             _set_quantized(quantized[id(var)], reader, key, qtype, name, placement)
             continue
-        sharding = placement(name, var.get_value().shape) if placement else None
-        _set(var, reader, key, transpose, sharding)
+        shape = var.get_value().shape
+        sharding = placement(name, shape) if placement else None
+        as_matrix = matrices is not None and len(shape) >= 2 and key != "score.weight"
+        _set(var, reader, key, transpose, sharding, matrices if as_matrix else None)
     if isinstance(model, DecoderClassifier) and not heads:
         return ["score"]
     return []
@@ -252,13 +260,14 @@ def from_pretrained(
     seed,
     placement=None,
     qtype: str = "",
+    matrices=None,
 ):
     """The decoder of `task` ("classification" or "causal-lm") with the checkpoint's weights
-    (in their shards with `placement`, the projections quantized with `qtype`:
-    `load_pretrained`); the score head freshly initialised from `seed` when the checkpoint has
-    none. Returns the model and the fresh parts' names."""
+    (in their shards with `placement`, the projections quantized with `qtype`, the matrices in
+    `matrices`: `load_pretrained`); the score head freshly initialised from `seed` when the
+    checkpoint has none. Returns the model and the fresh parts' names."""
     model = nnx.eval_shape(lambda: build(cfg, task, num_labels, dtype, seed))
-    fresh = load_pretrained(model, model_dir, placement, qtype)
+    fresh = load_pretrained(model, model_dir, placement, qtype, matrices)
     if fresh:
         model.init_fresh(fresh, nnx.Rngs(seed))
     return model, fresh

@@ -308,17 +308,19 @@ def from_checkpoint(
     seed: int = 0,
     placement=None,
     qtype: str = "",
+    matrices=None,
 ):
     """The model of `cfg`'s family for `task` with a checkpoint folder's weights; the parts it
     lacks freshly initialised from `seed`. Returns the model and the fresh parts' names.
     `placement(name, shape)`: a decoder's parameters load straight into those shardings;
-    `qtype` (QLoRA): a decoder's projections are stored quantized as they load (a BERT
-    checkpoint, small, loads whole and `lora.quantize` quantizes it after)."""
+    `qtype` (QLoRA): a decoder's projections are stored quantized as they load; `matrices`: a
+    decoder's weight matrices load in that dtype (`param_dtype`). A BERT checkpoint, small,
+    loads whole in float32 (`lora.quantize` and the trainer's cast follow)."""
     if is_decoder(cfg):
         from kubejax.models import decoder_weights
 
         return decoder_weights.from_pretrained(
-            cfg, model_dir, task, num_labels, dtype, seed, placement, qtype
+            cfg, model_dir, task, num_labels, dtype, seed, placement, qtype, matrices
         )
     return from_pretrained(cfg, num_labels, read_tensors(model_dir), dtype, seed)
 

@@ -113,11 +113,14 @@ def classifier_for(
         # shape or type. (An error of JAX's was once reported as a bad checkpoint.)
         try:
             task = cfg.task or "classification"
-            # QLoRA: the projections quantized as they load, never whole in float32 on a device.
+            # QLoRA: the projections quantized as they load; in bfloat16 runs the matrices
+            # load in bfloat16. Never the float32 model on a device beside what the plan counts.
             qtype = cfg.weight_qtype if cfg.peft == "qlora" else ""
+            matrices = jnp.bfloat16 if cfg.param_dtype == "bfloat16" else None
             model, fresh = weights.from_checkpoint(
-                model_dir, model_cfg, task, num_labels, dtype, cfg.seed, placement, qtype
-            )
+                model_dir, model_cfg, task, num_labels, dtype, cfg.seed, placement, qtype,
+                matrices,
+            )  # fmt: skip
         except (KeyError, TypeError, ValueError, OSError, SafetensorError) as err:
             family = "BERT" if model_cfg.model_type == "bert" else model_cfg.model_type
             unusable = f"model: {cfg.model} is not a usable {family} checkpoint"
