@@ -208,12 +208,9 @@ def load_pretrained(
             f"missing {_few(missing)}; unexpected {_few(unexpected)}"
         )
     names = {id(v): ".".join(map(str, p)) for p, v in nnx.iter_graph(model)}
-    # The decoder's own projections (its heads are not in `model.model`).
-    quantized = {
-        id(node.kernel): node
-        for _, node in nnx.iter_graph(model.model)
-        if qtype and isinstance(node, Projection)
-    }
+    # QLoRA: the decoder's own projections (its heads are not in `model.model`).
+    graph = nnx.iter_graph(model.model) if qtype else ()
+    quantized = {id(node.kernel): node for _, node in graph if isinstance(node, Projection)}
     for var, key, transpose in table + heads:
         name = names[id(var)]
         if id(var) in quantized:
