@@ -1,6 +1,7 @@
 """Run in a process of its own with 4 CPU devices (tests/trainer/test_sharding.py): a few
-train steps of a tiny decoder on each mesh; prints one JSON line of losses, parameter sums and
-the share of each parameter the first device holds."""
+train steps of a tiny decoder on each mesh, or (`qlora:MESH`) QLoRA's load on the mesh; prints
+one JSON line of losses, parameter sums and the share of each parameter the first device
+holds."""
 
 from __future__ import annotations
 
@@ -14,7 +15,7 @@ jax.config.update("jax_num_cpu_devices", 4)
 import numpy as np  # noqa: E402
 from flax import nnx  # noqa: E402
 
-from kubejax.models import weights  # noqa: E402
+from kubejax.models import decoder_weights, lora, weights  # noqa: E402
 from kubejax.trainer import distributed, sharding  # noqa: E402
 from kubejax.trainer.config import TrainConfig  # noqa: E402
 from kubejax.trainer.steps import make_train_step  # noqa: E402
@@ -70,6 +71,44 @@ def run(model_dir: str, mesh_text: str, steps: int = 3) -> dict:
     }
 
 
+def qlora_load(model_dir: str, mesh_text: str, qtype: str = "nf4") -> dict:
+    """QLoRA's load into the mesh's shards against quantizing the whole model after a plain
+    load: whether the codes and scales are equal, the largest share of a projection's kernel
+    any one read of the checkpoint took, and the share of the codes the first device holds."""
+    cfg = TrainConfig(model=model_dir, data_dir="-", output_dir="-", mesh=mesh_text)
+    mesh, _ = make_mesh(cfg)
+    model_dir = weights.resolve_model_dir(model_dir)
+    model_cfg = weights.load_config(model_dir)
+    reads: list[float] = []
+    get = decoder_weights._Reader.get
+
+    def counted(self, key, transpose, index=(), dtype=np.float32):
+        value = get(self, key, transpose, index, dtype)
+        if key.endswith("_proj.weight"):
+            reads.append(value.size / np.prod(self.shape(key, transpose)))
+        return value
+
+    decoder_weights._Reader.get = counted
+    args = (model_dir, model_cfg, "causal-lm", 2, np.float32, 0)
+    sharded, _ = weights.from_checkpoint(*args, sharding.placement(mesh), qtype)
+    decoder_weights._Reader.get = get
+    whole, _ = weights.from_checkpoint(*args)
+    lora.quantize(whole, qtype)
+    ours, theirs = lora.projections(sharded), lora.projections(whole)
+    equal = all(
+        np.array_equal(np.asarray(ours[k].qkernel[...]), np.asarray(theirs[k].qkernel[...]))
+        and np.array_equal(np.asarray(ours[k].qscale[...]), np.asarray(theirs[k].qscale[...]))
+        for k in theirs
+    )
+    codes = [sharding.shard_fraction(layer.qkernel[...]) for layer in ours.values()]
+    return {"equal": equal, "largest_read": max(reads), "reads": len(reads),
+            "codes_fraction": max(codes)}  # fmt: skip
+
+
 if __name__ == "__main__":
     model_dir, *meshes = sys.argv[1:]
-    print(json.dumps({m: run(model_dir, m) for m in meshes}))
+    print(json.dumps({
+        m: qlora_load(model_dir, m.removeprefix("qlora:")) if m.startswith("qlora:")
+        else run(model_dir, m)
+        for m in meshes
+    }))  # fmt: skip

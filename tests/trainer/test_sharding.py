@@ -13,6 +13,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from kubejax.models import weights
 from kubejax.trainer import sharding
 from tests.helpers import beside, side_by_side, tiny_args
 
@@ -63,7 +64,7 @@ def sharded_runs(tiny_decoder_dir):
     """Three train steps of the tiny decoder on each mesh, 4 CPU devices."""
     script = [sys.executable, str(HERE / "sharded_steps.py"), str(tiny_decoder_dir)]
     outs = side_by_side(  # two processes of two meshes each
-        [[*script, "", "fsdp=4"], [*script, "fsdp=2,tensor=2", "data=2,tensor=2"]],
+        [[*script, "", "fsdp=4"], [*script, "fsdp=2,tensor=2", "data=2,tensor=2", "qlora:fsdp=4"]],
         env={**os.environ, "PYTHONPATH": str(HERE.parents[1])},
     )
     return {k: v for out in outs for k, v in json.loads(out.strip().splitlines()[-1]).items()}
@@ -92,6 +93,17 @@ def test_each_device_holds_its_share(sharded_runs, mesh, share):
     matrices = {k: v for k, v in run["loaded_fraction"].items() if k.endswith(("kernel", "ing"))}
     assert min(matrices.values()) == share and matrices["model.embed_tokens.embedding"] == share
     assert sharded_runs[""]["moment_fraction"] == 1.0
+
+
+def test_qlora_loads_each_projection_in_its_shards(sharded_runs, tiny_decoder_dir):
+    """QLoRA's load on fsdp=4: each read of the checkpoint takes one device's quarter of a
+    projection (so a worker reads only its own devices' parts), quantized there into codes a
+    quarter a device, equal to quantizing the whole model after a plain load."""
+    run = sharded_runs["qlora:fsdp=4"]
+    cfg = weights.load_config(tiny_decoder_dir)
+    assert run["equal"]
+    assert run["reads"] == 4 * 7 * cfg.num_hidden_layers and run["largest_read"] == 0.25
+    assert run["codes_fraction"] == 0.25
 
 
 def _trainer_cmd(args: list[str], devices: int = 4) -> tuple[list[str], dict[str, str]]:

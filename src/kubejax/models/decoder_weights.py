@@ -34,7 +34,7 @@ from kubejax.models.decoder import (
     DecoderLM,
 )
 from kubejax.models.projection import Projection
-from kubejax.models.quantize import quantize_kernel
+from kubejax.models.quantize import block_size, quantize_kernel
 
 log = logging.getLogger(__name__)
 
@@ -125,10 +125,14 @@ class _Reader:
 
     def get(self, key: str, transpose: bool, index: tuple = (), dtype=np.float32) -> np.ndarray:
         """The tensor in `dtype` (our layout: [in, out] where the file holds [out, in]), or the
-        part of it at `index` (slices over our layout), read alone from the file."""
+        part of it at `index` (slices over our layout), read alone from the file. `dtype`
+        None: as the file stores it (a wider float than float32 narrowed to float32)."""
         index = tuple(index[::-1] if transpose else index) or (slice(None),)
         with self._open(key) as f:
-            value = f.get_slice(key)[index].astype(dtype)
+            value = f.get_slice(key)[index]
+        if dtype is None and value.dtype.itemsize > 4:
+            dtype = np.float32
+        value = value if dtype is None else value.astype(dtype)
         return value.T if transpose else value
 
 
@@ -159,20 +163,28 @@ def _check_shape(current, reader: _Reader, key: str, transpose: bool) -> None:
 
 def _set_quantized(layer, reader: _Reader, key: str, qtype: str, name: str, placement) -> None:
     """Fill a projection's kernel from the checkpoint stored quantized (QLoRA): the tensor read
-    whole into host memory, quantized there and only its codes and scales put on the devices,
-    in their shards with `placement` (`name`: the kernel's dotted path). No device ever holds
-    the kernel in float32, and a kernel sharded over other processes is never gathered."""
-    _check_shape(layer.kernel.get_value(), reader, key, True)
-    codes, scale = quantize_kernel(reader.get(key, True), qtype)
-    stem = name.rsplit(".", 1)[0]
-
-    def put(value: np.ndarray, suffix: str) -> jax.Array:
-        if placement is None:
-            return jnp.asarray(value)
-        sharding = placement(f"{stem}.{suffix}", value.shape)
-        return jax.make_array_from_callback(value.shape, sharding, lambda index: value[index])
-
-    layer.store_quantized(put(codes, "qkernel"), put(scale, "qscale"), qtype)
+    as the file stores it (bfloat16 mostly) into its shards on the devices (`placement`;
+    `name`: the kernel's dotted path), each process reading only its own devices' parts, and
+    quantized there into codes and scales in their shards. The kernel in float32 is never
+    whole anywhere, and one projection at a time is on the devices in the file's form."""
+    current = layer.kernel.get_value()
+    _check_shape(current, reader, key, True)
+    if placement is None:
+        kernel, shardings = reader.get(key, True, dtype=None), None
+    else:
+        stem = name.rsplit(".", 1)[0]
+        n_in, n_out = current.shape
+        qshape = (n_in // 2 if qtype == "nf4" else n_in, n_out)
+        sshape = (n_in // block_size(n_in), n_out)
+        shardings = (placement(f"{stem}.qkernel", qshape), placement(f"{stem}.qscale", sshape))
+        kernel = jax.make_array_from_callback(
+            current.shape,
+            placement(name, current.shape),
+            lambda index: reader.get(key, True, index, dtype=None),
+        )
+    codes, scale = quantize_kernel(kernel, qtype, shardings)
+    del kernel  # the file's form goes before the next projection is read
+    layer.store_quantized(codes, scale, qtype)
 
 
 def load_pretrained(

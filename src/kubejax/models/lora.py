@@ -217,8 +217,8 @@ def quantize(model, qtype: str) -> int:
         raise LoraError(f"weight_qtype: {qtype!r} is not one of {', '.join(QTYPES)}")
     layers = [layer for layer in projections(model).values() if layer.qkernel is None]
     for layer in layers:
-        codes, scale = quantize_kernel(jax.device_get(layer.kernel[...]), qtype)
-        layer.store_quantized(jnp.asarray(codes), jnp.asarray(scale), qtype)
+        codes, scale = quantize_kernel(layer.kernel[...], qtype)
+        layer.store_quantized(codes, scale, qtype)
     return len(layers)
 
 

@@ -1,11 +1,12 @@
 """Weights stored quantized: QLoRA's frozen base. Per block of (up to) 64 inputs and each
 output an absmax scale; the codes int8, or NF4 (QLoRA's 4-bit NormalFloat), two a byte.
-Plain NumPy to quantize (once, at load) and JAX to dequantize (in each product's use), no
-dependency beyond them: Qwix does the same behind interception of every product, which the
-decoder's own projections do not need."""
+JAX both ways: to quantize (once, at load, where the kernel is: in its shards on the devices)
+and to dequantize (in each product's use), no dependency beyond it: Qwix does the same behind
+interception of every product, which the decoder's own projections do not need."""
 
 from __future__ import annotations
 
+import functools
 import math
 
 import jax
@@ -34,31 +35,40 @@ def block_size(n_in: int) -> int:
     return math.gcd(n_in, BLOCK)
 
 
-def quantize_kernel(kernel, qtype: str) -> tuple[np.ndarray, np.ndarray]:
-    """(codes, scales) of a kernel [in, out] (host values, any float type): per block of
+def quantize_kernel(kernel: jax.Array, qtype: str, shardings=None) -> tuple[jax.Array, jax.Array]:
+    """(codes, scales) of a kernel [in, out] (any float type, on the devices or the host's
+    array), computed where the kernel is, in one compiled program: per block of
     `block_size(in)` inputs and each output, the absmax scale [in / block, out] (float32) and
     the codes: int8 [in, out] (round(w / absmax · 127)), or nf4, two 4-bit codes a byte along
     the input [in / 2, out] (the nearest NF4 level of w / absmax, a tie to the lower one, as
-    bitsandbytes' thresholds at the levels' midpoints decide it)."""
-    # Worked on in [out, in], where each block of inputs is contiguous: the layout a checkpoint
-    # stores, so that a kernel read from one (a transposed view) is not copied.
-    wt = np.ascontiguousarray(np.asarray(kernel, np.float32).T)
-    n_out, n_in = wt.shape
+    bitsandbytes' thresholds at the levels' midpoints decide it). `shardings`: the codes' and
+    the scales' (a pair), where they are to be placed; a sharded kernel is quantized in its
+    shards."""
+    if qtype not in QTYPES:
+        raise ValueError(f"weight_qtype: {qtype!r} is not one of {', '.join(QTYPES)}")
+    return _quantizer(qtype, shardings)(kernel)
+
+
+@functools.cache
+def _quantizer(qtype: str, shardings):
+    body = functools.partial(_quantize, qtype=qtype)
+    return jax.jit(body) if shardings is None else jax.jit(body, out_shardings=shardings)
+
+
+def _quantize(kernel: jax.Array, qtype: str) -> tuple[jax.Array, jax.Array]:
+    n_in, n_out = kernel.shape
     block = block_size(n_in)
-    blocks = wt.reshape(n_out, n_in // block, block)
-    scale = np.abs(blocks).max(axis=2)
-    scale = np.where(scale == 0, 1.0, scale).astype(np.float32)
-    normed = (blocks / scale[..., None]).reshape(n_out, n_in)
-    scale = np.ascontiguousarray(scale.T)
+    blocks = kernel.astype(jnp.float32).reshape(n_in // block, block, n_out)
+    scale = jnp.max(jnp.abs(blocks), axis=1)
+    scale = jnp.where(scale == 0, jnp.float32(1), scale)
+    normed = (blocks / scale[:, None, :]).reshape(n_in, n_out)
     if qtype == "int8":
-        return np.ascontiguousarray(np.round(normed * 127).astype(np.int8).T), scale
-    # A level's code is the number of midpoints below the value: 15 comparisons, a byte each,
-    # 7 times faster than bisecting (np.searchsorted) and 200 times than the 16-level argmin
-    # of [in, out, 16] values, which took 27 s for Qwen2.5-0.5B's projections (bench/NOTES.md).
-    codes = np.zeros(normed.shape, np.uint8)
-    for midpoint in NF4_MIDPOINTS:
-        codes += normed > midpoint
-    return np.ascontiguousarray((codes[:, 0::2] | (codes[:, 1::2] << 4)).T), scale
+        return jnp.round(normed * 127).astype(jnp.int8), scale
+    # A level's code is the number of midpoints below the value: 15 comparisons XLA fuses into
+    # one pass (an argmin over [in, out, 16] values took 27 s for Qwen2.5-0.5B's projections
+    # in NumPy, bench/NOTES.md).
+    codes = sum((normed > m).astype(jnp.uint8) for m in NF4_MIDPOINTS.tolist())
+    return codes[0::2] | (codes[1::2] << 4), scale
 
 
 def dequantize_kernel(codes: jax.Array, scale: jax.Array, qtype: str) -> jax.Array:
