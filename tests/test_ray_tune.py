@@ -140,6 +140,33 @@ def test_pbt_copies_the_pointed_checkpoint_or_the_donors_latest_when_it_is_gone(
         copy_donor_checkpoint(tmp_path / "gone", 24, tmp_path / "c")
 
 
+def test_a_trial_is_matched_to_its_result_by_its_folder_not_its_metrics(tmp_path):
+    """Tune's Result of a trial PBT restored can carry its donor's `trial_id` in its metrics:
+    each trial's record still takes its own Result (complete, its value), none is failed."""
+    from types import SimpleNamespace
+
+    from kubejax.tune.ray_tune import records
+
+    results = []
+    for n, trial_id in enumerate(("ab123_00000", "ab123_00001")):
+        out = tmp_path / "trials" / f"trial-{trial_id}-0"
+        out.mkdir(parents=True)
+        (out / "trial.json").write_text(json.dumps(
+            {"trial_id": trial_id, "params": {"learning_rate": 0.1}, "job": f"j{n}",
+             "restart": 0, "donor": "", "start_step": 0, "start": n, "end": n + 1}))  # fmt: skip
+        evals = [{"step": 4, "eval_accuracy": 0.5 + n / 10}]
+        (out / "metrics.json").write_text(json.dumps({"status": "completed", "evals": evals}))
+        ray_dir = tmp_path / "ray" / f"run_{trial_id}_{n}_learning_rate=0.1_2026-12-06"
+        # The second trial's metrics name the first (its donor's checkpoint's result).
+        results.append(SimpleNamespace(path=str(ray_dir), error=None,
+                                       metrics={"trial_id": "ab123_00000"}))  # fmt: skip
+    trials = records(_cfg(scheduler="pbt"), str(tmp_path / "trials"), results, lambda c: 1)
+    assert [(t["trial_id"], t["state"], t["value"]) for t in trials] == [
+        ("ab123_00000", "complete", 0.5),
+        ("ab123_00001", "complete", 0.6),
+    ]
+
+
 def test_a_cancelled_ray_sweep_leaves_no_job(tmp_path):
     cfg = _cfg(scheduler="none", max_trials=2, parallelism=2)
 

@@ -314,12 +314,11 @@ def records(cfg, trials_root: str, results, workers_of: Callable[[dict], int]) -
     for path in sorted(Path(trials_root).glob("trial-*/trial.json")):
         data = json.loads(path.read_text())
         starts.setdefault(data["trial_id"], []).append({**data, "output_dir": str(path.parent)})
-    by_id = {r.metrics.get("trial_id") or r.path: r for r in results}
     out = []
     ordered = sorted(starts.items(), key=lambda kv: kv[1][0]["start"])
     for number, (trial_id, runs) in enumerate(ordered):
         runs.sort(key=lambda d: d["restart"])
-        result = by_id.get(trial_id)
+        result = _result_of(results, trial_id)
         evals = [e for run in runs for e in _evals(Path(run["output_dir"]))
                  if e["step"] > run["start_step"]]  # fmt: skip
         evals.sort(key=lambda e: e["step"])
@@ -347,6 +346,14 @@ def records(cfg, trials_root: str, results, workers_of: Callable[[dict], int]) -
             "mlflow_run_ids": [_run_id(r["output_dir"]) for r in runs],
         })  # fmt: skip
     return out
+
+
+def _result_of(results, trial_id: str):
+    """The trial's Tune Result, by the trial's own folder (named after its id), or None. Not by
+    its metrics' `trial_id`: Tune sets a restored trial's last result to the restored
+    checkpoint's metrics (`Trial.on_restore`), a donor's under PBT, and a completed trial of a
+    PBT sweep on a loaded machine once came out `failed` without its Result."""
+    return next((r for r in results if f"_{trial_id}_" in Path(r.path).name), None)
 
 
 def _state(result, last_output: str) -> str:
@@ -440,6 +447,5 @@ def run(
         ray.shutdown()
         # Starts paused by PBT and never resumed (their function stopped without its finally).
         end_jobs(JAXJobClient(backend, **backend_options), root)
-    workers = {r.metrics.get("trial_id"): r for r in results}
-    log(f"sweep: Ray Tune ran {len(workers)} trials ({cfg.scheduler} scheduler)")
+    log(f"sweep: Ray Tune ran {len(list(results))} trials ({cfg.scheduler} scheduler)")
     return records(cfg, str(root), list(results), workers_of), results
