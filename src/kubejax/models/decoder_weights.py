@@ -219,12 +219,13 @@ def load_pretrained(
             f"model: the checkpoint in {model_dir} does not match its config.json: "
             f"missing {_few(missing)}; unexpected {_few(unexpected)}"
         )
-    names = {id(v): ".".join(map(str, p)) for p, v in nnx.iter_graph(model)}
+    # Parameters' dotted paths: what `placement` shards by.
+    names = {id(v): ".".join(map(str, p)) for p, v in nnx.iter_graph(model)} if placement else {}
     # QLoRA: the decoder's own projections (its heads are not in `model.model`).
     graph = nnx.iter_graph(model.model) if qtype else ()
     quantized = {id(node.kernel): node for _, node in graph if isinstance(node, Projection)}
     for var, key, transpose in table + heads:
-        name = names[id(var)]
+        name = names.get(id(var), "")
         if id(var) in quantized:
             _set_quantized(quantized[id(var)], reader, key, qtype, name, placement)
             continue
