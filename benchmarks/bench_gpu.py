@@ -212,8 +212,9 @@ def measure(smoke: bool, steps: int, tokenizer: str, work: Path | None) -> dict:
         "device": found["device"],
         "versions": f"JAX {found['jax']}, torch {found['torch']}",
         "model": "tiny (smoke)" if smoke else "bert-base; Llama-3.2-1B shape",
-        "bf16_peak_tflops_xla": round(found["xla_tflops"], 1),
-        "bf16_peak_tflops_torch": round(found["torch_tflops"], 1),
+        # Three significant digits: a CPU smoke run's peaks are far below 0.1 TFLOP/s.
+        "bf16_peak_tflops_xla": float(f"{found['xla_tflops']:.3g}"),
+        "bf16_peak_tflops_torch": float(f"{found['torch_tflops']:.3g}"),
         "mfu_target": MFU_TARGET,
         **rows,
     }

@@ -1,9 +1,12 @@
 """The MLflow server going down mid-run: metrics logged meanwhile are retried and arrive once it
 is back; those that never can are counted, reported and kept, never silently dropped.
 
-Each test runs its own real `mlflow server` on 127.0.0.1 and kills it (SIGKILL). MLflow's own
-HTTP retries are turned off (MLFLOW_HTTP_REQUEST_MAX_RETRIES=0), so every send during the
-outage fails at once and only kubejax's retry can bring the metrics back.
+The module runs a real `mlflow server` on 127.0.0.1 behind a TCP relay in this process, and the
+tests cut the relay: it resets every open connection and refuses new ones, which is what a
+client sees of a killed server, and it is back at once when restored (the server's own restart
+takes about 10 s here). MLflow's own HTTP retries are turned off
+(MLFLOW_HTTP_REQUEST_MAX_RETRIES=0), so every send during the outage fails at once and only
+kubejax's retry can bring the metrics back.
 """
 
 from __future__ import annotations
@@ -11,6 +14,9 @@ from __future__ import annotations
 import json
 import logging
 import os
+import selectors
+import socket
+import struct
 import subprocess
 import threading
 import time
@@ -20,7 +26,7 @@ from mlflow.tracking import MlflowClient
 
 from kubejax import tracking
 from tests.conftest import MlflowServer
-from tests.helpers import tiny_args, trainer_cmd
+from tests.helpers import free_port, tiny_args, trainer_cmd
 
 NO_HTTP_RETRIES = {
     "MLFLOW_HTTP_REQUEST_MAX_RETRIES": "0",
@@ -28,20 +34,77 @@ NO_HTTP_RETRIES = {
 }
 
 
+class Relay:
+    """A TCP relay on 127.0.0.1 to a server's port that a test cuts (`stop`: open connections
+    reset, new ones refused) and restores (`start`, on the same port)."""
+
+    def __init__(self, target_port: int):
+        self.target, self.port = target_port, free_port()
+        self.uri = f"http://127.0.0.1:{self.port}"
+        self.up = False
+        self._open: set[socket.socket] = set()
+        self._lock = threading.Lock()
+
+    def start(self) -> Relay:
+        listener = socket.socket()
+        listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        listener.bind(("127.0.0.1", self.port))
+        listener.listen(64)
+        self._listener, self.up = listener, True
+        threading.Thread(target=self._accept, args=(listener,), daemon=True).start()
+        return self
+
+    def stop(self) -> None:
+        self.up = False
+        self._listener.close()
+        with self._lock:
+            for sock in self._open:
+                # Linger 0: close sends a reset, as the kernel does for a killed process.
+                sock.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
+                sock.close()
+            self._open.clear()
+
+    def _accept(self, listener: socket.socket) -> None:
+        with selectors.DefaultSelector() as sel:
+            sel.register(listener, selectors.EVENT_READ)
+            while self.up and listener is self._listener:
+                if not sel.select(timeout=0.05):
+                    continue
+                try:
+                    client, _ = listener.accept()
+                except OSError:
+                    return
+                upstream = socket.create_connection(("127.0.0.1", self.target))
+                with self._lock:
+                    self._open |= {client, upstream}
+                for a, b in ((client, upstream), (upstream, client)):
+                    threading.Thread(target=self._pump, args=(a, b), daemon=True).start()
+
+    def _pump(self, src: socket.socket, dst: socket.socket) -> None:
+        try:
+            while data := src.recv(65536):
+                dst.sendall(data)
+            dst.shutdown(socket.SHUT_WR)
+        except OSError:
+            pass  # cut
+
+
 @pytest.fixture(scope="module")
 def _server(tmp_path_factory):
     srv = MlflowServer(tmp_path_factory.mktemp("mlflow")).start()
-    yield srv
+    relay = Relay(srv.port).start()
+    yield relay
+    relay.stop()
     srv.stop()
 
 
 @pytest.fixture
 def server(_server, monkeypatch):
-    """The module's server, running (a test before may have left it stopped)."""
+    """The module's server behind its relay, reachable (a test before may have cut it)."""
     for k, v in NO_HTTP_RETRIES.items():
         monkeypatch.setenv(k, v)
     monkeypatch.setattr(tracking, "FLUSH_SECONDS", 0.2)
-    if _server.proc.poll() is not None:
+    if not _server.up:
         _server.start()
     return _server
 
@@ -90,13 +153,13 @@ def test_outage_past_the_retries_is_counted_and_reported(server, monkeypatch, ca
 
 @pytest.mark.slow
 def test_outage_during_training_loses_no_metric(server, tmp_path, tiny_model_dir, prepared):
-    out, steps = tmp_path / "out", 1500
+    out, steps = tmp_path / "out", 800
     args = tiny_args(
         tiny_model_dir,
         prepared,
         out,
         max_steps=steps,
-        eval_every=500,
+        eval_every=100,
         mlflow_tracking_uri=server.uri,
         mlflow_experiment="outage",
     )
