@@ -41,22 +41,41 @@ TOKENIZER_FILES = (
 )
 
 
-def resolve_model_dir(model: str) -> Path:
-    """A local checkpoint folder for `model`: the folder itself, or a hub snapshot of the id."""
+#: What a hub snapshot of a model brings besides its weights: config.json (and a sharded
+#: checkpoint's index), the tokenizer's files, the chat template, the generation config.
+HUB_FILES = ["*.json", "*.model", "*.txt", "*.jinja"]
+#: The index of a sharded safetensors checkpoint (transformers' name).
+SAFETENSORS_INDEX = "model.safetensors.index.json"
+
+
+def resolve_model_dir(model: str, weights: bool = True) -> Path:
+    """A local checkpoint folder for `model`: the folder itself, or a hub snapshot of the id,
+    with its config and tokenizer files (`HUB_FILES`) and, with `weights`, the weight files
+    transformers would read: the shards the index names, else model.safetensors, else
+    pytorch_model.bin. A repository's other weight files are not fetched (Mistral's hold
+    mistral-inference's `consolidated.safetensors` beside the shards, as large as the model)."""
     path = Path(model).expanduser()
     if path.is_dir():
         return path
     if model.startswith((".", "/", "~")) or model.count("/") > 1:
         raise FileNotFoundError(f"model: {model!r} is not a folder")
+    folder = _hub_snapshot(model, HUB_FILES)
+    if weights:
+        index = folder / SAFETENSORS_INDEX
+        if index.is_file():
+            shards = json.loads(index.read_text())["weight_map"].values()
+            _hub_snapshot(model, sorted(set(shards)))
+        elif not (_hub_snapshot(model, [SAFETENSORS]) / SAFETENSORS).is_file():
+            _hub_snapshot(model, [PYTORCH_BIN])
+    return folder
+
+
+def _hub_snapshot(model: str, patterns: list[str]) -> Path:
+    """The local snapshot of hub id `model` with the files matching `patterns` fetched."""
     from huggingface_hub import snapshot_download
 
     try:
-        return Path(
-            snapshot_download(
-                model,
-                allow_patterns=["*.json", "*.safetensors", "vocab.txt", "*.model", "*.txt"],
-            )
-        )
+        return Path(snapshot_download(model, allow_patterns=patterns))
     except Exception as err:  # the hub client raises many kinds; all mean "not available"
         raise FileNotFoundError(
             f"model: {model!r} is neither a local folder nor a reachable Hugging Face hub id "

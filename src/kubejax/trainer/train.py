@@ -88,7 +88,8 @@ def classifier_for(
         if cfg.model == "scratch":
             model_cfg = weights.scratch_config(cfg.scratch_config)
         else:
-            model_dir = weights.resolve_model_dir(cfg.model)
+            # The config first: the checks below run before any weight is fetched.
+            model_dir = weights.resolve_model_dir(cfg.model, weights=False)
             model_cfg = weights.load_config(model_dir)
     except (OSError, RuntimeError, ValueError, TypeError) as err:
         if cfg.model == "scratch":
@@ -109,6 +110,10 @@ def classifier_for(
     if model_dir is None:
         model, fresh = _fresh_model(cfg, model_cfg, num_labels, dtype), ["all"]
     else:
+        try:  # the weights now (a hub id's; a folder is used as it is)
+            model_dir = weights.resolve_model_dir(cfg.model)
+        except OSError as err:
+            raise ConfigError(f"model: {cfg.model}: {err}") from err
         # Only the checkpoint's errors are named as such: a tensor missing, or of the wrong
         # shape or type. (An error of JAX's was once reported as a bad checkpoint.)
         try:
@@ -131,7 +136,7 @@ def classifier_for(
         _add_adapters(cfg, model)
     tokenizer_dir = Path(cfg.tokenizer) if cfg.tokenizer else model_dir
     if tokenizer_dir is not None and not tokenizer_dir.is_dir():
-        tokenizer_dir = weights.resolve_model_dir(str(tokenizer_dir))
+        tokenizer_dir = weights.resolve_model_dir(str(tokenizer_dir), weights=False)
     return model, tokenizer_dir, fresh
 
 
