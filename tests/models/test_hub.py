@@ -54,7 +54,7 @@ def test_fake_hub_mistral_repository_gives_the_indexed_shards_and_not_consolidat
     tmp_path, monkeypatch
 ):
     """Mistral's repositories hold mistral-inference's consolidated.safetensors (as large as
-    the model) beside transformers' shards, Llama's the original .pth files: only the shards
+    the model) beside transformers' shards, Llama's their original .pth: only the shards
     the index names are fetched, and only once the weights are asked for."""
     index = {"weight_map": {"a": "model-00001-of-00002.safetensors",
                             "b": "model-00002-of-00002.safetensors"}}  # fmt: skip
