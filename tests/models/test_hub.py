@@ -108,3 +108,14 @@ def test_fake_hub_a_run_that_cannot_fit_is_refused_before_any_weight_is_fetched(
     args = tiny_args("org/tiny-qwen2", prepared_decoder, tmp_path / "out", max_steps=1)
     assert trainer_main(args) == 0
     assert "model.safetensors" in hub.fetched
+
+
+def test_fake_hub_an_unreadable_index_is_refused_naming_the_model(
+    tmp_path, monkeypatch, capsys, tiny_decoder_dir, prepared_decoder
+):
+    hub = _hub(tmp_path, monkeypatch, {weights.SAFETENSORS_INDEX: "{not json"})
+    shutil.copy(tiny_decoder_dir / "config.json", hub.repo / "config.json")
+    args = tiny_args("org/broken", prepared_decoder, tmp_path / "out")
+    assert trainer_main(args) == 2
+    assert "model: org/broken:" in capsys.readouterr().err
+    assert not (tmp_path / "out" / "metrics.json").exists()

@@ -112,7 +112,7 @@ def classifier_for(
     else:
         try:  # the weights now (a hub id's; a folder is used as it is)
             model_dir = weights.resolve_model_dir(cfg.model)
-        except OSError as err:
+        except (OSError, ValueError, KeyError) as err:  # the hub, or an unreadable index
             raise ConfigError(f"model: {cfg.model}: {err}") from err
         # Only the checkpoint's errors are named as such: a tensor missing, or of the wrong
         # shape or type. (An error of JAX's was once reported as a bad checkpoint.)
