@@ -74,8 +74,11 @@ class Relay:
                     client, _ = listener.accept()
                 except OSError:
                     return
-                upstream = socket.create_connection(("127.0.0.1", self.target))
                 with self._lock:
+                    if not self.up:  # cut between the accept and now
+                        client.close()
+                        return
+                    upstream = socket.create_connection(("127.0.0.1", self.target))
                     self._open |= {client, upstream}
                 for a, b in ((client, upstream), (upstream, client)):
                     threading.Thread(target=self._pump, args=(a, b), daemon=True).start()
