@@ -1,8 +1,8 @@
 """The MLflow server going down mid-run: metrics logged meanwhile are retried and arrive once it
 is back; those that never can are counted, reported and kept, never silently dropped.
 
-The module runs a real `mlflow server` on 127.0.0.1 behind a TCP relay in this process, and the
-tests cut the relay: it resets every open connection and refuses new ones, which is what a
+The session's real `mlflow server` on 127.0.0.1 is reached through a TCP relay in this process,
+and the tests cut the relay: it resets every open connection and refuses new ones, which is what a
 client sees of a killed server, and it is back at once when restored (the server's own restart
 takes about 10 s here). MLflow's own HTTP retries are turned off
 (MLFLOW_HTTP_REQUEST_MAX_RETRIES=0), so every send during the outage fails at once and only
@@ -25,7 +25,6 @@ import pytest
 from mlflow.tracking import MlflowClient
 
 from kubejax import tracking
-from tests.conftest import MlflowServer
 from tests.helpers import free_port, tiny_args, trainer_cmd
 
 NO_HTTP_RETRIES = {
@@ -93,12 +92,11 @@ class Relay:
 
 
 @pytest.fixture(scope="module")
-def _server(tmp_path_factory):
-    srv = MlflowServer(tmp_path_factory.mktemp("mlflow")).start()
-    relay = Relay(srv.port).start()
+def _server(mlflow_server):
+    """The session's server behind this module's relay (each start of a server costs ~10 s)."""
+    relay = Relay(int(mlflow_server.rsplit(":", 1)[1])).start()
     yield relay
     relay.stop()
-    srv.stop()
 
 
 @pytest.fixture
