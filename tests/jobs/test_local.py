@@ -277,7 +277,7 @@ def test_a_restarted_launcher_reattaches_to_its_local_job(tmp_path, tiny_model_d
 
     out, logs = tmp_path / "out", tmp_path / "logs"
     args = trainer_cmd(
-        *tiny_args(tiny_model_dir, prepared, out, max_steps=200, checkpoint_every=25)
+        *tiny_args(tiny_model_dir, prepared, out, max_steps=100, checkpoint_every=25)
     )
 
     def launcher(delete="never"):
@@ -296,7 +296,7 @@ def test_a_restarted_launcher_reattaches_to_its_local_job(tmp_path, tiny_model_d
     workers = json.loads(record.read_text())["worker_pids"]
     _kill_and_check_workers_die(first, workers)
     saved = [int(c.name) for c in (out / "checkpoints").iterdir() if c.name.isdigit()]
-    assert max(saved) < 200
+    assert max(saved) < 100
 
     second = launcher()
     output, _ = second.communicate(timeout=600)
@@ -305,7 +305,7 @@ def test_a_restarted_launcher_reattaches_to_its_local_job(tmp_path, tiny_model_d
     assert reasons.count("LauncherRestarted") == 1 and reasons[-1] == "JAXJobSucceeded"
     worker0 = (logs / "resumable" / "worker-0.log").read_text()
     assert f"resumed at step {max(saved)}" in worker0
-    assert json.loads((out / "metrics.json").read_text())["final"]["steps"] == 200
+    assert json.loads((out / "metrics.json").read_text())["final"]["steps"] == 100
     assert [p.name for p in logs.iterdir()] == ["resumable"]  # one job, not a second
 
     # Finished: a third launcher takes the result on record, starting no worker.
