@@ -29,9 +29,11 @@ def llm_run(tmp_path_factory):
     summary and terminal output."""
     workdir = tmp_path_factory.mktemp("llm") / "run"
     trial = {"max_steps": 4, "eval_every": 2, "log_every": 2, "device_memory": "1GiB",
-             "global_batch_size": 8, "max_length": 64, "max_eval_examples": 32}  # fmt: skip
+             "global_batch_size": 8, "max_length": 64, "bucket_multiple": 64,
+             "max_eval_examples": 32}  # fmt: skip
     train = {"max_steps": 8, "eval_every": 4, "log_every": 4, "global_batch_size": 8,
-             "max_length": 64, "max_eval_examples": 32, "learning_rate": 3e-3}  # fmt: skip
+             "max_length": 64, "bucket_multiple": 64, "max_eval_examples": 32,
+             "learning_rate": 3e-3}  # fmt: skip
     space = {"lora_rank": {"type": "categorical", "choices": [4, 100000]}}
     overrides = [
         "algorithm=grid", f"search_space={json.dumps(space)}",
@@ -65,6 +67,7 @@ def local_run(llm_run, tmp_path_factory, tiny_model_dir):
     common = {
         "global_batch_size": 8,
         "max_length": 64,
+        "bucket_multiple": 64,  # one padded length: each program compiles once
         "eval_batch_size": 32,
         "log_every": 2,
         "learning_rate": 3e-3,

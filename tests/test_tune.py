@@ -251,6 +251,7 @@ def test_real_sweep_of_the_trainer_4_trials_2_parallel(
         "eval_every": 4,
         "global_batch_size": 8,
         "max_length": 64,
+        "bucket_multiple": 64,
         "max_eval_examples": 64,
         "eval_batch_size": 32,
     }
@@ -442,6 +443,7 @@ def test_a_sweep_over_optimizers_and_replicas_feeds_the_final_training(
         "max_steps": 4,
         "global_batch_size": 8,
         "max_length": 64,
+        "bucket_multiple": 64,
         "max_eval_examples": 32,
         "eval_batch_size": 32,
     }
@@ -518,6 +520,7 @@ def test_a_trial_whose_loss_diverges_fails_and_the_sweep_goes_on(
         "max_steps": 6,
         "global_batch_size": 8,
         "max_length": 64,
+        "bucket_multiple": 64,
         "max_eval_examples": 32,
         "eval_batch_size": 32,
     }
