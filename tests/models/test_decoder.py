@@ -14,7 +14,7 @@ import torch
 
 from kubejax.models import decoder_weights, weights
 from kubejax.models.decoder import DecoderClassifier, DecoderConfig
-from tests.helpers import assert_close_to_scale
+from tests.helpers import assert_close_to_scale, compiled_call
 from tests.models.decoders import TINY, save_tiny
 
 FAMILIES = list(TINY)
@@ -53,7 +53,7 @@ def test_logits_match_transformers(tmp_path, family, padding, head):
     ids, mask = _batch(300, padding)
     with torch.no_grad():
         expected = ref(input_ids=torch.tensor(ids), attention_mask=torch.tensor(mask)).logits
-    ours = np.asarray(_ours(tmp_path, head)(ids, mask))
+    ours = np.asarray(compiled_call(_ours(tmp_path, head), ids, mask))
     expected = expected.numpy()
     if head == "causal-lm":
         ours, expected = ours[mask.astype(bool)], expected[mask.astype(bool)]
@@ -106,7 +106,7 @@ def test_bfloat16_sharded_checkpoint_loads(tmp_path):
     ids, mask = _batch(300, "right")
     with torch.no_grad():
         expected = ref(input_ids=torch.tensor(ids), attention_mask=torch.tensor(mask)).logits
-    ours = np.asarray(_ours(tmp_path / "bf16", "causal-lm")(ids, mask))
+    ours = np.asarray(compiled_call(_ours(tmp_path / "bf16", "causal-lm"), ids, mask))
     real = mask.astype(bool)
     assert_close_to_scale(ours[real], expected.numpy()[real], 1e-4, "bf16 checkpoint logits")
 
@@ -182,14 +182,14 @@ def test_export_loads_in_transformers_with_our_logits(tmp_path, family):
     assert config["architectures"][0].endswith("ForSequenceClassification")
     assert config["pad_token_id"] is not None and "rope_parameters" not in config
     ids, mask = _batch(300, "right")
-    ours = np.asarray(model(ids, mask))
+    ours = np.asarray(compiled_call(model, ids, mask))
     ref = AutoModelForSequenceClassification.from_pretrained(str(tmp_path / "out")).eval()
     with torch.no_grad():
         expected = ref(input_ids=torch.tensor(ids), attention_mask=torch.tensor(mask)).logits
     assert_close_to_scale(ours, expected.numpy(), 1e-4, f"{family} exported logits")
     reloaded, labels = weights.load_model_dir(tmp_path / "out")
     assert labels == ["a", "b", "c", "d"] and isinstance(reloaded, DecoderClassifier)
-    np.testing.assert_array_equal(np.asarray(reloaded(ids, mask)), ours)
+    np.testing.assert_array_equal(np.asarray(compiled_call(reloaded, ids, mask)), ours)
 
 
 def test_export_in_shards_when_over_the_shard_size(tmp_path, monkeypatch):
@@ -287,7 +287,7 @@ def test_answer_scores_equal_transformers_log_likelihoods(tmp_path, family):
         split, answers, batch_size=8, local_devices=1, bucket_multiple=8, max_length=64
     )
     inputs = {k: v for k, v in batch.items() if k not in ("rows", "labels", "weights")}
-    ours = np.asarray(model.label_scores(**inputs))[:, 0]
+    ours = np.asarray(jax.jit(lambda kw: model.label_scores(**kw))(inputs))[:, 0]
     rows = batch["rows"][:, 0]
     expected = np.zeros((len(rows), len(answers)))
     for r, i in enumerate(rows):
@@ -324,7 +324,7 @@ def test_the_answer_loss_equals_transformers_on_the_answer_tokens(tmp_path):
     from flax import nnx
 
     graphdef, params = nnx.split(model)
-    loss, _ = loss_fn(graphdef, params, batch, None, True)
+    loss, _ = jax.jit(lambda p, b: loss_fn(graphdef, p, b, None, True))(params, batch)
     ids = torch.tensor(batch["input_ids"]).long()
     labels = torch.full_like(ids, -100)
     for r, i in enumerate(rows):

@@ -17,7 +17,7 @@ from kubejax.models import lora, weights
 from kubejax.trainer import plan
 from kubejax.trainer.config import TrainConfig
 from kubejax.trainer.train import main
-from tests.helpers import assert_close_to_scale, tiny_args
+from tests.helpers import assert_close_to_scale, compiled_call, tiny_args
 from tests.models.decoders import TINY, save_tiny
 
 
@@ -59,7 +59,7 @@ def test_peft_loads_our_adapter_with_our_logits_and_the_merged_model_alone(tmp_p
     mask[1, 9:] = 0
     ids[mask == 0] = 0  # the pad id: transformers' classifier finds the last token by it
     args = {"input_ids": torch.tensor(ids), "attention_mask": torch.tensor(mask)}
-    ours = np.asarray(model(ids, mask))
+    ours = np.asarray(compiled_call(model, ids, mask))
     with torch.no_grad():
         expected = peft_model(**args).logits.numpy()
     real = mask.astype(bool) if head == "causal-lm" else slice(None)
@@ -252,7 +252,7 @@ def test_peft_loads_our_bert_adapter_with_our_logits_and_the_merged_model_alone(
     mask = np.ones_like(ids)
     mask[1, 7:] = 0
     args = {"input_ids": torch.tensor(ids), "attention_mask": torch.tensor(mask)}
-    ours = np.asarray(model(ids, mask))
+    ours = np.asarray(compiled_call(model, ids, mask))
     with torch.no_grad():
         expected = peft_model(**args).logits.numpy()
     assert_close_to_scale(ours, expected, 1e-4, "bert with the adapter")

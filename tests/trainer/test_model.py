@@ -17,7 +17,7 @@ from transformers import BertConfig, BertForSequenceClassification, BertModel
 
 from kubejax.models import weights
 from kubejax.models.bert import BertClassifier
-from tests.helpers import ZERO_GRADIENT_BY_SYMMETRY, assert_close_to_scale
+from tests.helpers import ZERO_GRADIENT_BY_SYMMETRY, assert_close_to_scale, compiled_call
 
 torch.manual_seed(0)
 
@@ -55,7 +55,7 @@ def test_minilm_last_hidden_state_matches_transformers(minilm_dir):
     ref = BertModel.from_pretrained(str(minilm_dir)).eval()
     with torch.no_grad():
         expected = ref(input_ids=torch.tensor(ids), attention_mask=torch.tensor(mask))
-    ours = np.asarray(model.bert(ids, mask))
+    ours = np.asarray(compiled_call(model.bert, ids, mask))
     # Two frameworks, two sets of kernels: rounding only, relative to the states' own size.
     assert_close_to_scale(ours, expected.last_hidden_state.numpy(), 2e-5, "last hidden state")
 
@@ -82,9 +82,9 @@ def test_random_small_config_matches_transformers(tmp_path):
             attention_mask=torch.tensor(mask),
             output_hidden_states=True,
         )
-    hidden = np.asarray(model.bert(ids, mask))
+    hidden = np.asarray(compiled_call(model.bert, ids, mask))
     assert_close_to_scale(hidden, out.hidden_states[-1].numpy(), 1e-4, "hidden states")
-    logits = np.asarray(model(ids, mask))
+    logits = np.asarray(compiled_call(model, ids, mask))
     assert_close_to_scale(logits, out.logits.numpy(), 1e-4, "logits")
 
 
@@ -124,8 +124,8 @@ def test_gradients_match_transformers_backward(tmp_path):
 def test_cls_only_last_layer_equals_full_computation(minilm_dir):
     model, _ = _ours(minilm_dir)
     ids, mask = _inputs(30522)
-    full = np.asarray(model.bert(ids, mask))
-    cls = np.asarray(model.bert(ids, mask, cls_only=True))
+    full = np.asarray(compiled_call(model.bert, ids, mask))
+    cls = np.asarray(compiled_call(model.bert, ids, mask, cls_only=True))
     assert cls.shape == (3, 1, 384)
     # Other matmul shapes, other kernels: equal up to rounding.
     assert_close_to_scale(cls[:, 0], full[:, 0], 1e-5, "[CLS] state")
@@ -146,21 +146,25 @@ def test_packed_rows_give_each_sequence_the_logits_it_has_alone(minilm_dir):
             ids[r, at : at + len(seq)], segments[r, at : at + len(seq)] = seq, s + 1
             positions[r, at : at + len(seq)], starts[r, s] = np.arange(len(seq)), at
             at += len(seq)
-    packed = np.asarray(model(ids, segments, positions=positions, starts=starts))
+    packed = np.asarray(compiled_call(model, ids, segments, positions=positions, starts=starts))
     assert packed.shape == (4, 3, 5) and np.isfinite(packed).all()
     # Each review alone: a row of its own, padded (one call, so one shape to run).
     flat = [seq for row in seqs for seq in row]
     rows, masks = (np.zeros((len(flat), 64), np.int32) for _ in range(2))
     for i, seq in enumerate(flat):
         rows[i, : len(seq)], masks[i, : len(seq)] = seq, 1
-    alone = iter(np.asarray(model(rows, masks)))
+    alone = iter(np.asarray(compiled_call(model, rows, masks)))
     for r, row in enumerate(seqs):
         for s, _ in enumerate(row):
             assert_close_to_scale(packed[r, s], next(alone), 1e-5, f"row {r} review {s}")
     # One review a row: the key mask alone, the same logits as unpacked.
     ids, mask = _inputs(30522)
-    one = model(ids, mask, positions=np.tile(np.arange(40), (3, 1)), starts=np.zeros((3, 1), int))
-    assert_close_to_scale(np.asarray(one)[:, 0], np.asarray(model(ids, mask)), 1e-5, "logits")
+    one = compiled_call(
+        model, ids, mask, positions=np.tile(np.arange(40), (3, 1)), starts=np.zeros((3, 1), int)
+    )
+    assert_close_to_scale(
+        np.asarray(one)[:, 0], np.asarray(compiled_call(model, ids, mask)), 1e-5, "logits"
+    )
 
 
 def test_folded_cls_attention_equals_keys_and_values_under_dropout(minilm_dir):
@@ -196,7 +200,10 @@ def test_pytorch_bin_with_bert_prefix_loads(tmp_path, minilm_dir):
     ids, mask = _inputs(30522)
     # The same weights through the same program.
     assert_close_to_scale(
-        model.bert(ids, mask), ours_safetensors.bert(ids, mask), 1e-6, "hidden states"
+        compiled_call(model.bert, ids, mask),
+        compiled_call(ours_safetensors.bert, ids, mask),
+        1e-6,
+        "hidden states",
     )
 
 
@@ -206,11 +213,12 @@ def test_saved_model_folder_loads_in_transformers_and_back(tmp_path, minilm_dir)
     reloaded, labels = weights.load_model_dir(tmp_path / "m")
     assert labels == ["neg", "mid", "pos"]
     ids, mask = _inputs(30522)
-    assert_close_to_scale(reloaded(ids, mask), model(ids, mask), 1e-6, "logits after reload")
+    logits = compiled_call(model, ids, mask)
+    assert_close_to_scale(compiled_call(reloaded, ids, mask), logits, 1e-6, "logits after reload")
     hf = BertForSequenceClassification.from_pretrained(str(tmp_path / "m")).eval()
     with torch.no_grad():
         hf_logits = hf(input_ids=torch.tensor(ids), attention_mask=torch.tensor(mask)).logits
-    assert_close_to_scale(hf_logits.numpy(), model(ids, mask), 1e-4, "transformers' logits")
+    assert_close_to_scale(hf_logits.numpy(), logits, 1e-4, "transformers' logits")
 
 
 def test_the_trainer_imports_neither_transformers_nor_torch():
