@@ -25,7 +25,6 @@ from __future__ import annotations
 import argparse
 import concurrent.futures
 import datetime
-import functools
 import json
 import statistics
 import sys
@@ -185,29 +184,37 @@ def measure(smoke: bool, steps: int, tokenizer: str, work: Path | None) -> dict:
     llm = (TINY_LLAMA, SMOKE_LLM_SHAPE) if smoke else (LLAMA_1B, LLM_SHAPE)
     cases = [(f"seq{seq}", model, seq, batch) for seq, batch in shapes]
     cases.append((f"llm_seq{llm[1][0]}", llm[0], *llm[1]))
-    # --smoke checks the code paths, not the speed: there each case's peer runs beside ours.
-    pool = concurrent.futures.ThreadPoolExecutor(max_workers=1) if smoke else None
+    # One measurement at a time, in order, each in a process of its own; --smoke checks the code
+    # paths, not the speed: there two run at once (XLA compiles a program on one core).
+    pool = concurrent.futures.ThreadPoolExecutor(max_workers=2 if smoke else 1)
+    runs = {}
     for key, net, seq, batch in cases:
         args = ["--side", "torch", "--seq", str(seq), "--batch", str(batch), "--steps", str(steps)]
         args += ["--llm"] * key.startswith("llm")
-        peer_run = functools.partial(run_json, [__file__, *args, *["--smoke"] * smoke])
-        pending = pool.submit(peer_run) if pool else None
-        mine = ours(net, tokenizer, seq, batch, steps, prepared(tokenizer, seq, batch, work))
-        peer = pending.result() if pending else peer_run()
-        if key.startswith("llm"):
-            per_example = seq * flops_per_token(net, seq)
-        else:
-            per_example = seq * model_flops_per_token(
-                net["hidden_size"], net["num_hidden_layers"], net["intermediate_size"], seq
-            )
-        rows[key] = {
-            "batch": batch,
-            "examples_per_s": round(mine, 2),
-            "peer_examples_per_s": round(peer["examples_per_s"], 2),
-            "vs_torch": round(mine / peer["examples_per_s"], 3),
-            "mfu": round(mine * per_example / peak, 3),
-            "peer_mfu": round(peer["examples_per_s"] * per_example / peak, 3),
-        }
+        data = prepared(tokenizer, seq, batch, work)
+        runs[key] = (
+            pool.submit(ours, net, tokenizer, seq, batch, steps, data),
+            pool.submit(run_json, [__file__, *args, *["--smoke"] * smoke]),
+        )
+    try:
+        for key, net, seq, batch in cases:
+            mine, peer = (run.result() for run in runs[key])
+            if key.startswith("llm"):
+                per_example = seq * flops_per_token(net, seq)
+            else:
+                per_example = seq * model_flops_per_token(
+                    net["hidden_size"], net["num_hidden_layers"], net["intermediate_size"], seq
+                )
+            rows[key] = {
+                "batch": batch,
+                "examples_per_s": round(mine, 2),
+                "peer_examples_per_s": round(peer["examples_per_s"], 2),
+                "vs_torch": round(mine / peer["examples_per_s"], 3),
+                "mfu": round(mine * per_example / peak, 3),
+                "peer_mfu": round(peer["examples_per_s"] * per_example / peak, 3),
+            }
+    finally:
+        pool.shutdown(cancel_futures=True)  # a failed run: the queued ones do not start
     return {
         "device": found["device"],
         "versions": f"JAX {found['jax']}, torch {found['torch']}",
