@@ -7,10 +7,11 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import signal
 import sys
+import tempfile
 import threading
-import time
 from pathlib import Path
 
 import pytest
@@ -28,6 +29,17 @@ def factory(steps: int, sleep: float = 0.03):
         return JAXJobSpec(name=name, image="i", command=[sys.executable, str(PROGRAM)], args=args)
 
     return make
+
+
+@pytest.fixture(autouse=True)
+def _short_ray_folder(monkeypatch):
+    """Ray's sockets go under its temporary folder, and a socket's path holds at most 107
+    bytes: under the folder of a pytest-xdist worker's test (/tmp/pytest-of-USER/pytest-N/
+    popen-gw0/tmp0) Ray's `.../sockets/plasma_store` is longer and `ray.init` fails."""
+    folder = tempfile.mkdtemp(prefix="kj-ray-", dir="/tmp")
+    monkeypatch.setenv("RAY_TMPDIR", folder)
+    yield
+    shutil.rmtree(folder, ignore_errors=True)
 
 
 SPACE = {"learning_rate": {"type": "float", "low": 0.01, "high": 0.6, "log": True}}
@@ -170,15 +182,21 @@ def test_a_trial_is_matched_to_its_result_by_its_folder_not_its_metrics(tmp_path
 def test_a_cancelled_ray_sweep_leaves_no_job(tmp_path):
     cfg = _cfg(scheduler="none", max_trials=2, parallelism=2)
 
+    ended = threading.Event()
+
     def cancel_once_a_job_runs():  # SIGTERM, as KFP sends a cancelled run's step
-        deadline = time.monotonic() + 60
-        while not _program_processes(tmp_path) and time.monotonic() < deadline:
-            time.sleep(0.1)
-        signal.raise_signal(signal.SIGTERM)
+        # Only while this test's sweep runs: a stray SIGTERM would end a later test.
+        while not ended.wait(0.1):
+            if _program_processes(tmp_path):
+                signal.raise_signal(signal.SIGTERM)
+                return
 
     threading.Thread(target=cancel_once_a_job_runs, daemon=True).start()
-    with pytest.raises(SystemExit) as exit_:
-        _run(cfg, tmp_path, steps=400)
+    try:
+        with pytest.raises(SystemExit) as exit_:
+            _run(cfg, tmp_path, steps=400)
+    finally:
+        ended.set()
     assert exit_.value.code == 143
     assert list((tmp_path / "trials").glob("trial-*/trial.json"))  # trials had started
     assert _program_processes(tmp_path) == []
