@@ -19,7 +19,12 @@ os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 # first imported, after this file) and in every trainer process the tests start: the tests
 # compile the tiny model's same programs again and again, 5-6 s a process without it. It is
 # the run's own, so a developer's cache neither leaks in nor fills up, and it goes at the end.
-_JAX_CACHE = tempfile.mkdtemp(prefix="kubejax-tests-jax-cache-")
+# Under pytest-xdist (make test) the worker processes inherit the controlling process's
+# environment and share its cache, which that process alone removes.
+_OWN_CACHE = "PYTEST_XDIST_WORKER" not in os.environ
+if _OWN_CACHE:
+    os.environ["KUBEJAX_TESTS_JAX_CACHE"] = tempfile.mkdtemp(prefix="kubejax-tests-jax-cache-")
+_JAX_CACHE = os.environ["KUBEJAX_TESTS_JAX_CACHE"]
 os.environ["JAX_COMPILATION_CACHE_DIR"] = _JAX_CACHE
 os.environ["JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS"] = "0"
 # The suite's programs are small and run a few steps each: LLVM's optimisation of XLA's CPU
@@ -36,7 +41,8 @@ _EXIT_STATUS: list[int] = []
 
 def pytest_sessionfinish(session, exitstatus):
     _EXIT_STATUS.append(int(exitstatus))
-    shutil.rmtree(_JAX_CACHE, ignore_errors=True)
+    if _OWN_CACHE:
+        shutil.rmtree(_JAX_CACHE, ignore_errors=True)
 
 
 @pytest.hookimpl(trylast=True)
