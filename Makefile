@@ -25,7 +25,8 @@ $(VENV)/.installed-dev: $(VENV)/.installed-demo
 	touch $@
 
 STAMP := $(VENV)/.installed-dev
-# The suite runs in this many processes (pytest-xdist): most of its tests compile on one core.
+# The suite runs in this many processes (pytest-xdist; tests/conftest.py schedules them): most
+# of its tests compile on one core.
 TEST_PROCESSES ?= 2
 
 demo: $(VENV)/.installed-demo
@@ -35,7 +36,7 @@ test: $(STAMP) deploy-check
 	$(BIN)/ruff check .
 	$(BIN)/ruff format --check .
 	$(DOCS_BUILD)
-	$(BIN)/python -m pytest -q -n $(TEST_PROCESSES) --dist loadgroup tests
+	$(BIN)/python -m pytest -q -n $(TEST_PROCESSES) tests
 
 # The documentation site (Sphinx + MyST, docs/): built strictly (every warning, a broken link or
 # reference among them, is an error), its reference pages generated from the code

@@ -39,6 +39,33 @@ if "xla_backend_optimization_level" not in os.environ.get("XLA_FLAGS", ""):
 _EXIT_STATUS: list[int] = []
 
 
+@pytest.hookimpl(optionalhook=True)
+def pytest_xdist_make_scheduler(config, log):
+    """Under pytest-xdist (make test: `-n 2`), each test goes to whichever process is free,
+    except that a module defining a module-scoped fixture goes whole to one process, so the
+    fixture runs once (the local pipelines' two runs, the sharded runs); those modules start
+    first, the most tests first. (xdist's own `loadgroup` marks do not group under pytest 9.2,
+    whose node ids xdist can no longer suffix.)"""
+    from xdist.scheduler import LoadScopeScheduling
+
+    if config.getvalue("dist") != "load":
+        return None
+    together: dict[str, bool] = {}
+
+    def one_process(module: str) -> bool:
+        if module not in together:
+            path = config.rootpath / module
+            together[module] = path.is_file() and 'scope="module"' in path.read_text()
+        return together[module]
+
+    class Scheduling(LoadScopeScheduling):
+        def _split_scope(self, nodeid: str) -> str:
+            module = nodeid.split("::", 1)[0]
+            return module if one_process(module) else nodeid
+
+    return Scheduling(config, log)
+
+
 def pytest_sessionfinish(session, exitstatus):
     _EXIT_STATUS.append(int(exitstatus))
     if _OWN_CACHE:

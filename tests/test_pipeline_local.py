@@ -19,8 +19,6 @@ from tests.helpers import assert_self_contained_report
 ROOT = Path(__file__).parents[1]
 SECRET_ENV = ("MLFLOW_TRACKING_PASSWORD", "MLFLOW_TRACKING_TOKEN")
 SECRET_MARKER = "kubejax-secret-marker-5b1f0c"
-# One process of the suite (pytest-xdist) runs this module, so its two pipelines run once.
-pytestmark = pytest.mark.xdist_group("pipeline_local")
 
 
 @pytest.fixture(scope="module")

@@ -70,7 +70,6 @@ def sharded_runs(tiny_decoder_dir):
     return {k: v for out in outs for k, v in json.loads(out.strip().splitlines()[-1]).items()}
 
 
-@pytest.mark.xdist_group("sharded_runs")  # the module fixture once, in one process
 @pytest.mark.parametrize("mesh", ["fsdp=4", "fsdp=2,tensor=2", "data=2,tensor=2"])
 def test_sharded_steps_equal_the_replicated_ones(sharded_runs, mesh):
     base, run = sharded_runs[""], sharded_runs[mesh]
@@ -82,7 +81,6 @@ def test_sharded_steps_equal_the_replicated_ones(sharded_runs, mesh):
         assert np.abs(got - expected).max() <= 2e-4 * scale, name
 
 
-@pytest.mark.xdist_group("sharded_runs")  # the module fixture once, in one process
 @pytest.mark.parametrize(("mesh", "share"), [("fsdp=4", 0.25), ("fsdp=2,tensor=2", 0.25)])
 def test_each_device_holds_its_share(sharded_runs, mesh, share):
     """Loaded straight into shards, trained in them: the weight matrices a quarter each, the
@@ -97,7 +95,6 @@ def test_each_device_holds_its_share(sharded_runs, mesh, share):
     assert sharded_runs[""]["moment_fraction"] == 1.0
 
 
-@pytest.mark.xdist_group("sharded_runs")  # the module fixture once, in one process
 def test_qlora_loads_each_projection_in_its_shards(sharded_runs, tiny_decoder_dir):
     """QLoRA's load on fsdp=4: each read of the checkpoint takes one device's quarter of a
     projection (so a worker reads only its own devices' parts), quantized there into codes a

@@ -246,7 +246,9 @@ def test_gradient_accumulation_equals_the_whole_batch(tmp_path, tiny_model_dir, 
 OPTIMIZER_LR = {"adamw": 5e-3, "adafactor": 1e-1, "lion": 3e-3, "sgd": 1.0}
 
 
-@pytest.fixture(scope="module")
+# Session-scoped: a module-scoped fixture keeps its module in one process under pytest-xdist
+# (tests/conftest.py), and this one is cheap.
+@pytest.fixture(scope="session")
 def sixteen_rows(tmp_path_factory, prepared) -> Path:
     """16 training rows, also the validation split: a set the tiny model can learn by heart
     in a few steps, so every optimizer's progress shows above the batch-to-batch noise."""
