@@ -21,8 +21,7 @@ os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 # the run's own, so a developer's cache neither leaks in nor fills up, and it goes at the end.
 # Under pytest-xdist (make test) the worker processes inherit the controlling process's
 # environment and share its cache, which that process alone removes.
-_SHARED = "PYTEST_XDIST_WORKER" in os.environ and "KUBEJAX_TESTS_JAX_CACHE" in os.environ
-_OWN_CACHE = not _SHARED
+_OWN_CACHE = not ("PYTEST_XDIST_WORKER" in os.environ and "KUBEJAX_TESTS_JAX_CACHE" in os.environ)
 if _OWN_CACHE:
     os.environ["KUBEJAX_TESTS_JAX_CACHE"] = tempfile.mkdtemp(prefix="kubejax-tests-jax-cache-")
 _JAX_CACHE = os.environ["KUBEJAX_TESTS_JAX_CACHE"]

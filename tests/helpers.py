@@ -66,13 +66,12 @@ def compiled_call(module, *args, **kwargs):
     Python scalars or None (`deterministic`, `cls_only`) are static; the rest are traced."""
     from flax import nnx
 
-    static = tuple(
-        sorted((k, v) for k, v in kwargs.items() if v is None or isinstance(v, bool | int | str))
-    )
-    arrays = {k: v for k, v in kwargs.items() if k not in dict(static)}
-    if static not in _COMPILED_CALLS:
-        _COMPILED_CALLS[static] = nnx.jit(lambda m, a, kw: m(*a, **kw, **dict(static)))
-    return _COMPILED_CALLS[static](module, args, arrays)
+    static = {k: v for k, v in kwargs.items() if v is None or isinstance(v, bool | int | str)}
+    arrays = {k: v for k, v in kwargs.items() if k not in static}
+    key = tuple(sorted(static.items()))
+    if key not in _COMPILED_CALLS:
+        _COMPILED_CALLS[key] = nnx.jit(lambda m, a, kw: m(*a, **kw, **static))
+    return _COMPILED_CALLS[key](module, args, arrays)
 
 
 def env_with_no_jax_cache(cache_home: Path) -> dict[str, str]:
