@@ -11,9 +11,9 @@ switch against transformers' own class for that family (tests/models/test_decode
 Computed as transformers computes them (`../shared/LLM.md`): RMSNorm in float32, RoPE in the
 rotate-half layout with float32 frequencies (Llama 3's and linear scaling applied to them),
 softmax in float32, grouped-query attention without copying K/V heads (the query heads of a
-group are one axis of the product). The config comes from transformers' own config class, so a
-checkpoint's 4.x (`rope_scaling`, `rope_theta`) and 5.x (`rope_parameters`) layouts and each
-family's defaults read exactly as transformers reads them.
+group are one axis of the product). The config is read as transformers' config class of the
+family reads it (`hf_config`, checked against it), so a checkpoint's 4.x (`rope_scaling`,
+`rope_theta`) and 5.x (`rope_parameters`) layouts and each family's defaults read alike.
 """
 
 from __future__ import annotations
@@ -29,6 +29,7 @@ import numpy as np
 from flax import nnx
 from jax.ad_checkpoint import checkpoint_name
 
+from kubejax.models import hf_config
 from kubejax.models.kernels import linear, product
 from kubejax.models.partitioning import constrain
 from kubejax.models.projection import Projection
@@ -50,7 +51,7 @@ ACTIVATIONS = {
     "gelu_pytorch_tanh": lambda x: jax.nn.gelu(x, approximate=True),
     "gelu_new": lambda x: jax.nn.gelu(x, approximate=True),
 }
-SLIDING, FULL = "sliding_attention", "full_attention"
+SLIDING, FULL = hf_config.SLIDING, hf_config.FULL
 #: Activation checkpointing of each layer (the `remat` setting): what the backward pass keeps
 #: of the forward's intermediates. `minimal` keeps every projection's output (q, k, v, o,
 #: gate, up, down: `Linear` names them) and recomputes the attention and the elementwise work;
@@ -133,10 +134,9 @@ class DecoderConfig:
 
     @classmethod
     def from_dict(cls, values: dict) -> DecoderConfig:
-        """Read a config.json dict through transformers' config class of its family (its
-        defaults, both rope layouts); ValueError names the field and what is allowed."""
-        from transformers import AutoConfig
-
+        """Read a config.json dict as transformers' config class of its family reads it (its
+        defaults, both rope layouts: `hf_config`); ValueError names the field and what is
+        allowed."""
         model_type = values.get("model_type")
         if model_type in MULTIMODAL:
             values = {"model_type": MULTIMODAL[model_type], **values.get("text_config", {})}
@@ -145,11 +145,7 @@ class DecoderConfig:
             raise ValueError(
                 f"model_type: {model_type!r} is not a supported decoder ({', '.join(FAMILIES)})"
             )
-        try:
-            hf = AutoConfig.for_model(**values)
-        except (TypeError, ValueError, KeyError) as err:
-            raise ValueError(f"config.json: transformers cannot read it ({err})") from err
-        return cls._from_hf(model_type, hf, values)
+        return cls._from_hf(model_type, hf_config.resolve(values), values)
 
     @classmethod
     def _from_hf(cls, model_type: str, hf, values: dict) -> DecoderConfig:
@@ -161,6 +157,16 @@ class DecoderConfig:
                 f"num_attention_heads: {heads} is not a multiple of num_key_value_heads {kv_heads}"
             )
         gemma = model_type == "gemma3_text"
+        if model_type in ("llama", "gemma3_text") and hf.hidden_size % heads:
+            raise ValueError(
+                f"hidden_size: {hf.hidden_size} is not a multiple of num_attention_heads {heads}"
+            )
+        # What these families' configs can switch on that this decoder does not compute: refused
+        # rather than run as a different model.
+        if getattr(hf, "use_bidirectional_attention", False):
+            raise ValueError("use_bidirectional_attention: only causal attention (false) runs")
+        if getattr(hf, "attn_logit_softcapping", None) is not None:
+            raise ValueError("attn_logit_softcapping: not supported (null)")
         bias = bool(getattr(hf, "attention_bias", False))
         act = getattr(hf, "hidden_activation", None) or hf.hidden_act
         if act not in ACTIVATIONS:
@@ -169,6 +175,11 @@ class DecoderConfig:
         window = getattr(hf, "sliding_window", None)
         if model_type == "mistral" and window:
             layer_types = [SLIDING] * hf.num_hidden_layers  # Mistral: every layer
+        if len(layer_types) != hf.num_hidden_layers or not set(layer_types) <= {FULL, SLIDING}:
+            raise ValueError(
+                f"layer_types: {hf.num_hidden_layers} of {FULL!r} or {SLIDING!r} expected, got "
+                f"{layer_types!r}"
+            )
         if SLIDING in layer_types and not window:
             layer_types = [FULL] * hf.num_hidden_layers
         scale = (hf.query_pre_attn_scalar if gemma else head_dim) ** -0.5
