@@ -132,6 +132,26 @@ def test_configs_read_as_transformers_reads_them(values):
     assert DecoderConfig.from_dict(values) == expected
 
 
+def test_a_multimodal_gemma_reads_its_text_config_as_transformers_does():
+    """Gemma 3 4B and up ship `Gemma3ForConditionalGeneration` configs: the text model's fields
+    under `text_config` (here gemma-3-4b's, with its linear rope scaling)."""
+    from transformers import AutoConfig
+
+    text = {
+        "model_type": "gemma3_text", "hidden_size": 2560, "intermediate_size": 10240,
+        "num_hidden_layers": 34, "num_attention_heads": 8, "num_key_value_heads": 4,
+        "rope_scaling": {"factor": 8.0, "rope_type": "linear"}, "sliding_window": 1024,
+    }  # fmt: skip
+    values = {
+        "model_type": "gemma3", "architectures": ["Gemma3ForConditionalGeneration"],
+        "text_config": text, "vision_config": {"model_type": "siglip_vision_model"},
+    }  # fmt: skip
+    theirs = AutoConfig.for_model(**copy.deepcopy(values)).text_config
+    expected = DecoderConfig._from_hf("gemma3_text", theirs, text)
+    assert DecoderConfig.from_dict(values) == expected
+    assert expected.rope["full_attention"].params == {"factor": 8.0}
+
+
 def test_reading_a_config_leaves_the_dict_as_it_was():
     values = {"model_type": "gemma3_text", **TINY["gemma3_text"]}
     before = json.dumps(values, sort_keys=True)
