@@ -45,7 +45,12 @@ FAMILIES = {
 #: Multimodal Gemma 3 checkpoints (4B and up): their text model is trained, the vision tower
 #: is left out.
 MULTIMODAL = {"gemma3": "gemma3_text"}
-ROPE_TYPES = ("default", "linear", "llama3")
+#: The rope types the decoder computes, and the parameters each needs.
+ROPE_TYPES = {
+    "default": (),
+    "linear": ("factor",),
+    "llama3": ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings"),
+}
 ACTIVATIONS = {
     "silu": jax.nn.silu,
     "gelu_pytorch_tanh": lambda x: jax.nn.gelu(x, approximate=True),
@@ -228,6 +233,14 @@ def _ropes(hf, layer_types: list[str]) -> dict[str, Rope]:
             )
         if p.get("partial_rotary_factor", 1.0) != 1.0:
             raise ValueError("partial_rotary_factor: only 1.0 (the whole head) is supported")
+        for key in ("rope_theta", *ROPE_TYPES[kind]):
+            value = p.get(key)
+            if isinstance(value, bool) or not isinstance(value, int | float) or not value > 0:
+                raise ValueError(
+                    f"rope_scaling: {kind!r} needs {key} as a positive number, got {value!r}"
+                )
+        if kind == "llama3" and not p["high_freq_factor"] > p["low_freq_factor"]:
+            raise ValueError("rope_scaling: high_freq_factor must exceed low_freq_factor")
         ropes[layer_type] = Rope(float(p.pop("rope_theta")), kind, p)
     return ropes
 
