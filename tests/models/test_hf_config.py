@@ -170,6 +170,8 @@ def test_reading_a_config_leaves_the_dict_as_it_was():
         ({"num_key_value_heads": 3}, "num_attention_heads: 32 is not a multiple of"),
         ({"hidden_size": 100}, "hidden_size: 100 is not a multiple of num_attention_heads 32"),
         ({"hidden_act": "relu2"}, "hidden_act: 'relu2' is not supported (silu, "),
+        ({"hidden_act": None}, "hidden_act: None is not supported (silu, "),
+        ({"rope_parameters": [1.0]}, "rope_parameters: must be an object, got [1.0]"),
         ({"rope_scaling": {"rope_type": "yarn", "factor": 2.0}},
          "rope_scaling: type 'yarn' is not supported (default, linear, llama3)"),
         ({"rope_scaling": {"rope_type": "linear"}},

@@ -173,7 +173,7 @@ class DecoderConfig:
         if getattr(hf, "attn_logit_softcapping", None) is not None:
             raise ValueError("attn_logit_softcapping: not supported (null)")
         bias = bool(getattr(hf, "attention_bias", False))
-        act = getattr(hf, "hidden_activation", None) or hf.hidden_act
+        act = getattr(hf, "hidden_activation", None) or getattr(hf, "hidden_act", None)
         if act not in ACTIVATIONS:
             raise ValueError(f"hidden_act: {act!r} is not supported ({', '.join(ACTIVATIONS)})")
         layer_types = list(getattr(hf, "layer_types", None) or [FULL] * hf.num_hidden_layers)

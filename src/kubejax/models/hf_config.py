@@ -161,10 +161,9 @@ def _check_types(hf: SimpleNamespace) -> None:
         isinstance(layer_types, list) and all(isinstance(t, str) for t in layer_types)
     ):
         raise ValueError(f"layer_types: must be a list of strings, got {layer_types!r}")
-    for name in ("rope_parameters",):
-        value = getattr(hf, name, None)
-        if value is not None and not isinstance(value, dict):
-            raise ValueError(f"{name}: must be an object, got {value!r}")
+    rope = getattr(hf, "rope_parameters", None)
+    if rope is not None and not isinstance(rope, dict):
+        raise ValueError(f"rope_parameters: must be an object, got {rope!r}")
 
 
 def _rope(hf: SimpleNamespace, rope_scaling, rope_theta) -> dict:
