@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import copy
 import json
+import random
 import re
 import subprocess
 import sys
@@ -130,6 +131,60 @@ def test_configs_read_as_transformers_reads_them(values):
     family = values["model_type"]
     expected = DecoderConfig._from_hf(family, theirs, values)
     assert DecoderConfig.from_dict(values) == expected
+
+
+#: Values of the fields the readers branch on, for random combinations.
+CHOICES = {
+    "num_hidden_layers": [1, 3, 6, 8], "num_attention_heads": [4, 8], "hidden_size": [64, 128],
+    "num_key_value_heads": [None, 1, 2, 4], "head_dim": [None, 16, 32],
+    "sliding_window": [None, 8, 4096], "use_sliding_window": [True, False],
+    "max_window_layers": [0, 2, 5], "rope_theta": [5e5, 10000],
+    "rope_scaling": [None, {"rope_type": "linear", "factor": 2.0},
+                     {"type": "linear", "factor": 3.0}, {**LLAMA3, "factor": 8.0}],
+    "rope_local_base_freq": [5000.0], "sliding_window_pattern": [2, 3],
+    "tie_word_embeddings": [True, False], "attention_bias": [True], "mlp_bias": [True],
+    "max_position_embeddings": [512], "pad_token_id": [None, 0, 5],
+    "final_logit_softcapping": [None, 30.0], "query_pre_attn_scalar": [64],
+}  # fmt: skip
+
+
+def test_random_combinations_read_as_transformers_reads_them():
+    """300 seeded random combinations of CHOICES over the families: the same attributes, and
+    the same DecoderConfig or the same refusal. (A combination transformers cannot read, such
+    as a null that its strict fields refuse, is no checkpoint's: left out, and counted.)"""
+    rng = random.Random(0)
+    compared = 0
+    for _ in range(300):
+        values = {"model_type": rng.choice(list(FAMILIES))}
+        for name, choices in CHOICES.items():
+            if rng.random() < 0.4:
+                values[name] = copy.deepcopy(rng.choice(choices))
+        compared += _check_against_transformers(values)
+    assert compared > 200
+
+
+def _check_against_transformers(values: dict) -> bool:
+    """Whether transformers read `values` (then ours reads them alike)."""
+    from transformers import AutoConfig
+
+    try:
+        theirs = AutoConfig.for_model(**copy.deepcopy(values))
+    except Exception:  # transformers' strict fields raise errors of their own types
+        return False
+    ours = hf_config.resolve(values)
+    for name in READ:
+        assert getattr(ours, name, None) == getattr(theirs, name, None), (name, values)
+    outcomes = []
+    for read in (
+        lambda: DecoderConfig._from_hf(values["model_type"], theirs, values),
+        lambda: DecoderConfig.from_dict(values),
+    ):
+        try:
+            outcomes.append(read())
+        except ValueError as err:
+            outcomes.append(str(err))
+    assert outcomes[0] == outcomes[1], values
+    return True
 
 
 def test_a_multimodal_gemma_reads_its_text_config_as_transformers_does():

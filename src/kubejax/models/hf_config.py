@@ -103,7 +103,7 @@ LEGACY_LAYER_TYPES = {"attention": FULL}
 POSITIVE = (
     "vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
     "num_attention_heads", "num_key_value_heads", "head_dim", "max_position_embeddings",
-    "sliding_window", "max_window_layers", "query_pre_attn_scalar",
+    "sliding_window", "query_pre_attn_scalar",
 )  # fmt: skip
 #: Rope types whose scaling needs the pretraining length (defaulted to max_position_embeddings).
 LONG_ROPE_TYPES = ("llama3", "yarn", "longrope")
@@ -153,6 +153,9 @@ def _check_types(hf: SimpleNamespace) -> None:
         value = getattr(hf, name, None)
         if value is not None and (type(value) is not int or value < 1):
             raise ValueError(f"{name}: must be a positive integer, got {value!r}")
+    first = getattr(hf, "max_window_layers", 0)  # Qwen: the first layer to slide (0: all do)
+    if type(first) is not int or first < 0:
+        raise ValueError(f"max_window_layers: must be a non-negative integer, got {first!r}")
     eps = hf.rms_norm_eps
     if isinstance(eps, bool) or not isinstance(eps, int | float) or not eps > 0:
         raise ValueError(f"rms_norm_eps: must be a positive number, got {eps!r}")
