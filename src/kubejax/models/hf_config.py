@@ -6,9 +6,9 @@ Why not transformers' own classes: importing them costs every process that reads
 1.7 s, 3.8 s where torch is installed (transformers' rope module imports it), and every trainer
 process and sweep trial reads one; BERT's trainer imports neither for the same reason. What
 keeps this honest: `tests/models/test_hf_config.py` reads a matrix of configs of each family
-(defaults alone, both rope layouts, every rope type, sliding windows, hub configs' fields) both
-ways and requires the same attributes, and the parity tests build every family's model from
-configs read here and match transformers' logits.
+(defaults alone, both rope layouts, every rope type, sliding windows, hub configs' fields) and
+300 random combinations both ways and requires the same attributes, and the parity tests
+build every family's model from configs read here and match transformers' logits.
 """
 
 from __future__ import annotations
