@@ -227,6 +227,8 @@ def test_reading_a_config_leaves_the_dict_as_it_was():
         ({"hidden_act": "relu2"}, "hidden_act: 'relu2' is not supported (silu, "),
         ({"hidden_act": None}, "hidden_act: None is not supported (silu, "),
         ({"rope_parameters": [1.0]}, "rope_parameters: must be an object, got [1.0]"),
+        ({"num_hidden_layers": 1, "layer_types": ["full_attention"],
+          "rope_parameters": {"full_attention": 5}}, "rope_parameters: each layer type's must be"),
         ({"rope_scaling": {"rope_type": "yarn", "factor": 2.0}},
          "rope_scaling: type 'yarn' is not supported (default, linear, llama3)"),
         ({"rope_scaling": {"rope_type": "linear"}},
@@ -252,6 +254,11 @@ def test_what_the_decoder_does_not_compute_is_refused():
     ]:
         with pytest.raises(ValueError, match=re.escape(message)):
             DecoderConfig.from_dict({**gemma, **extra})
+
+
+def test_a_gemma_sliding_window_pattern_must_be_a_positive_integer():
+    with pytest.raises(ValueError, match="sliding_window_pattern: must be a positive integer"):
+        DecoderConfig.from_dict({"model_type": "gemma3_text", "sliding_window_pattern": None})
 
 
 def test_reading_a_decoder_config_imports_neither_transformers_nor_torch(tmp_path):

@@ -119,7 +119,10 @@ def resolve(values: dict) -> SimpleNamespace:
     rope_scaling = given.pop("rope_scaling", None)
     rope_theta = given.pop("rope_theta", None)
     local_theta = given.pop("rope_local_base_freq", None)
-    pattern = given.pop("sliding_window_pattern", 6)
+    # Gemma 3's older configs give their sliding layers' period (other families keep the key).
+    pattern = given.pop("sliding_window_pattern", 6) if model_type == "gemma3_text" else 6
+    if type(pattern) is not int or pattern < 1:
+        raise ValueError(f"sliding_window_pattern: must be a positive integer, got {pattern!r}")
     hf = SimpleNamespace(**{**DEFAULTS[model_type], **given})
     _check_types(hf)
     if model_type in ("qwen2", "qwen3"):
@@ -140,10 +143,13 @@ def resolve(values: dict) -> SimpleNamespace:
             ]
     if getattr(hf, "layer_types", None) is not None:
         hf.layer_types = [LEGACY_LAYER_TYPES.get(t, t) for t in hf.layer_types]
-    if model_type == "gemma3_text":
-        hf.rope_parameters = _gemma_rope(hf, rope_scaling, rope_theta, local_theta)
-    else:
-        hf.rope_parameters = _rope(hf, rope_scaling, rope_theta)
+    try:
+        if model_type == "gemma3_text":
+            hf.rope_parameters = _gemma_rope(hf, rope_scaling, rope_theta, local_theta)
+        else:
+            hf.rope_parameters = _rope(hf, rope_scaling, rope_theta)
+    except (AttributeError, TypeError) as err:  # an entry that is not an object
+        raise ValueError(f"rope_parameters: each layer type's must be an object ({err})") from err
     return hf
 
 
