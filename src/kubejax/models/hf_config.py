@@ -191,15 +191,18 @@ def _rope(hf: SimpleNamespace, rope_scaling, rope_theta) -> dict:
         p.setdefault("rope_theta", theta)
         if partial is not None:
             p.setdefault("partial_rotary_factor", partial)
-    for p in [params[key] for key in nested] or [params]:
-        if p is None:
-            continue
-        p.setdefault("rope_type", p.get("type", "default"))
         # (A top-level `original_max_position_embeddings` is not read: these families' classes
         # standardize before they take the config's other keys.)
-        if p["rope_type"] in LONG_ROPE_TYPES:
-            p.setdefault("original_max_position_embeddings", hf.max_position_embeddings)
+        _standardize(p, hf.max_position_embeddings)
     return params
+
+
+def _standardize(p: dict, max_positions: int) -> None:
+    """One rope dict's type (from the 4.x `type` key) and, for the scaled types, its
+    pretraining length, as `standardize_rope_params` sets them."""
+    p.setdefault("rope_type", p.get("type", "default"))
+    if p["rope_type"] in LONG_ROPE_TYPES:
+        p.setdefault("original_max_position_embeddings", max_positions)
 
 
 def _gemma_rope(hf: SimpleNamespace, rope_scaling, rope_theta, local_theta) -> dict:
@@ -218,8 +221,5 @@ def _gemma_rope(hf: SimpleNamespace, rope_scaling, rope_theta, local_theta) -> d
             "rope_theta", GEMMA_THETA[layer_type] if given is None else given
         )
     for key in [k for k in params if k in hf.layer_types]:
-        p = params[key]
-        p.setdefault("rope_type", p.get("type", "default"))
-        if p["rope_type"] in LONG_ROPE_TYPES:
-            p.setdefault("original_max_position_embeddings", hf.max_position_embeddings)
+        _standardize(params[key], hf.max_position_embeddings)
     return params
