@@ -1,9 +1,13 @@
-"""bert-base training in bfloat16 on one NVIDIA GPU at sequence lengths 128 and 512, and a
-Llama-3.2-1B-shaped decoder at 2,048: kubejax's trainer, as a job runs it, against transformers +
-torch on the same GPU (autocast bfloat16, fused AdamW, SDPA attention), each with MFU against a
-bfloat16 matmul peak measured in the run (the higher of XLA's and torch's). The decoder trains
-with bfloat16 weights (float32 moments) and `remat minimal`; its FLOPs are 6·N per token (N: the
-non-embedding weights; a classifier computes no LM head) plus 12·L·H·T for attention.
+"""bert-base training in bfloat16 on one NVIDIA GPU at sequence lengths 128 and 512, a
+Llama-3.2-1B-shaped decoder at 2,048, and LoRA on a Qwen2.5-0.5B-shaped decoder at 256: kubejax's
+trainer, as a job runs it, against transformers (+ PEFT for LoRA) + torch on the same GPU
+(autocast bfloat16, fused AdamW, SDPA attention), each with MFU against a bfloat16 matmul peak
+measured in the run (the higher of XLA's and torch's). The decoders train with bfloat16 weights
+(float32 moments); the Llama shape with `remat minimal`, its FLOPs 6·N per token (N: the
+non-embedding weights; a classifier computes no LM head) plus 12·L·H·T for attention. LoRA
+(rank 16, alpha 32, on q/k/v/o, the classifier's head trained whole, PEFT's `SEQ_CLS`) freezes
+the base: its FLOPs are 4·N per token (the forward and the inputs' gradients; no frozen weight's
+gradient) plus the same 12·L·H·T.
 
     bench/gpu.sh                                  # sets up .venv-gpu, then runs this
     python benchmarks/bench_gpu.py [--out bench] [--steps 20]
@@ -32,7 +36,7 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).parent))
-from bench_decoder import flops_per_token
+from bench_decoder import QWEN25_05B, flops_per_token, non_embedding_params
 from bench_train import long_reviews
 from common import (
     flags,
@@ -64,6 +68,16 @@ LLAMA_1B = {
 TINY_LLAMA = {**LLAMA_1B, "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2,
               "num_attention_heads": 4, "num_key_value_heads": 2, "vocab_size": 32000}  # fmt: skip
 LLM_SHAPE, SMOKE_LLM_SHAPE = (2048, 4), (128, 2)
+#: Qwen2.5-0.5B's shape for LoRA (the CPU benchmark's, `bench_decoder.QWEN25_05B`), with the
+#: MiniLM tokenizer's padding id (the vocabulary is larger than the tokenizer's: speed only).
+QWEN_05B = {**QWEN25_05B, "pad_token_id": 0}
+TINY_QWEN = {**QWEN_05B, "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2,
+             "num_attention_heads": 4, "num_key_value_heads": 2, "vocab_size": 32000}  # fmt: skip
+#: 8,192 tokens a step, as the Llama case's: sequence 256 is the CPU benchmark's LoRA shape.
+LORA_SHAPE, SMOKE_LORA_SHAPE = (256, 32), (128, 2)
+LORA = {"peft": "lora", "lora_rank": 16, "lora_alpha": 32.0}
+#: LoRA's figure against transformers + PEFT asked for (the CPU benchmark's target too).
+LORA_TARGET = 1.3
 
 
 def peaks(n: int, require_gpu: bool) -> dict:
@@ -93,10 +107,11 @@ def peaks(n: int, require_gpu: bool) -> dict:
     }
 
 
-def torch_peer(model: dict, seq: int, batch: int, steps: int) -> float:
+def torch_peer(model: dict, seq: int, batch: int, steps: int, lora: bool = False) -> float:
     """examples/s of transformers' BertForSequenceClassification (or the decoder's
     `*ForSequenceClassification`) under bfloat16 autocast, fused AdamW on the GPU: the median
-    step after the first."""
+    step after the first. With `lora`, the decoder's weights in bfloat16 and PEFT's LoRA (`LORA`'s
+    rank and alpha on q/k/v/o, its adapters in float32, the head in `modules_to_save`) train."""
     import torch
     from transformers import AutoConfig, AutoModelForSequenceClassification
 
@@ -107,8 +122,18 @@ def torch_peer(model: dict, seq: int, batch: int, steps: int) -> float:
         fields["max_position_embeddings"] = 512
     cfg = AutoConfig.for_model(model.get("model_type", "bert"), **fields, num_labels=5)
     cfg._attn_implementation = "sdpa"
-    net = AutoModelForSequenceClassification.from_config(cfg).to(device).train()
-    opt = torch.optim.AdamW(net.parameters(), lr=5e-5, fused=device == "cuda")
+    net = AutoModelForSequenceClassification.from_config(cfg)
+    if lora:
+        from peft import LoraConfig, get_peft_model
+
+        adapters = LoraConfig(
+            r=LORA["lora_rank"], lora_alpha=LORA["lora_alpha"], lora_dropout=0.0,
+            target_modules=["q_proj", "k_proj", "v_proj", "o_proj"], task_type="SEQ_CLS",
+        )  # fmt: skip
+        net = get_peft_model(net.to(torch.bfloat16), adapters)  # adapters made in float32
+    net = net.to(device).train()
+    trained = [p for p in net.parameters() if p.requires_grad]
+    opt = torch.optim.AdamW(trained, lr=5e-5, fused=device == "cuda")
     ids = torch.randint(1000, 30000, (batch, seq), device=device)
     labels = torch.randint(0, 5, (batch,), device=device)
     times = []
@@ -117,7 +142,7 @@ def torch_peer(model: dict, seq: int, batch: int, steps: int) -> float:
         with torch.autocast(device, dtype=torch.bfloat16):
             loss = net(input_ids=ids, attention_mask=torch.ones_like(ids), labels=labels).loss
         loss.backward()
-        torch.nn.utils.clip_grad_norm_(net.parameters(), 1.0)
+        torch.nn.utils.clip_grad_norm_(trained, 1.0)
         opt.step()
         opt.zero_grad(set_to_none=True)
         if device == "cuda":
@@ -142,10 +167,13 @@ def prepared(tokenizer: str, seq: int, batch: int, work: Path) -> Path:
     return data
 
 
-def ours(model: dict, tokenizer: str, seq: int, batch: int, steps: int, data: Path) -> float:
+def ours(
+    model: dict, tokenizer: str, seq: int, batch: int, steps: int, data: Path, lora: bool = False
+) -> float:
     """examples/s of kubejax's trainer (`python -m kubejax.trainer`, bfloat16 compute; a
-    decoder with bfloat16 weights and `remat minimal`) on the dataset `data`: the median of its
-    per-step log after the first step."""
+    decoder with bfloat16 weights and `remat minimal`, or with `lora` the `LORA` settings on a
+    frozen bfloat16 base) on the dataset `data`: the median of its per-step log after the first
+    step."""
     out = scratch_dir("kubejax-bench-gpu-") / f"out-{seq}"
     decoder = model.get("model_type", "bert") != "bert"
     settings = dict(
@@ -155,6 +183,8 @@ def ours(model: dict, tokenizer: str, seq: int, batch: int, steps: int, data: Pa
         max_eval_examples=batch,
         **({"param_dtype": "bfloat16", "remat": "minimal"} if decoder else {"dropout": 0.1}),
     )  # fmt: skip
+    if lora:  # 0.5 B parameters: the activations fit without recomputing them
+        settings.update(LORA, remat="none")
     metrics, _ = run_trainer([*flags(**settings), "--no-save-final"], trainer_env())
     return median_step_rate(metrics)
 
@@ -182,8 +212,10 @@ def measure(smoke: bool, steps: int, tokenizer: str, work: Path | None) -> dict:
     work = work or scratch_dir("kubejax-bench-gpu-")
     rows = {}
     llm = (TINY_LLAMA, SMOKE_LLM_SHAPE) if smoke else (LLAMA_1B, LLM_SHAPE)
+    lora = (TINY_QWEN, SMOKE_LORA_SHAPE) if smoke else (QWEN_05B, LORA_SHAPE)
     cases = [(f"seq{seq}", model, seq, batch) for seq, batch in shapes]
     cases.append((f"llm_seq{llm[1][0]}", llm[0], *llm[1]))
+    cases.append((f"lora_seq{lora[1][0]}", lora[0], *lora[1]))
     # One measurement at a time, in order, each in a process of its own; --smoke checks the code
     # paths, not the speed: there two run at once (XLA compiles a program on one core).
     pool = concurrent.futures.ThreadPoolExecutor(max_workers=2 if smoke else 1)
@@ -192,9 +224,10 @@ def measure(smoke: bool, steps: int, tokenizer: str, work: Path | None) -> dict:
     runs = {}
     for key, net, seq, batch in cases:
         args = ["--side", "torch", "--seq", str(seq), "--batch", str(batch), "--steps", str(steps)]
-        args += ["--llm"] * key.startswith("llm")
+        kind = key.split("_")[0] if "_" in key else ""
+        args += [f"--{kind}"] * bool(kind)
         runs[key] = (
-            pool.submit(ours, net, tokenizer, seq, batch, steps, data[key]),
+            pool.submit(ours, net, tokenizer, seq, batch, steps, data[key], kind == "lora"),
             pool.submit(run_json, [__file__, *args, *["--smoke"] * smoke]),
         )
     try:
@@ -202,6 +235,8 @@ def measure(smoke: bool, steps: int, tokenizer: str, work: Path | None) -> dict:
             mine, peer = (run.result() for run in runs[key])
             if key.startswith("llm"):
                 per_example = seq * flops_per_token(net, seq)
+            elif key.startswith("lora"):  # the frozen base's weights get no gradient: 4·N
+                per_example = seq * (flops_per_token(net, seq) - 2 * non_embedding_params(net))
             else:
                 per_example = seq * model_flops_per_token(
                     net["hidden_size"], net["num_hidden_layers"], net["intermediate_size"], seq
@@ -219,7 +254,9 @@ def measure(smoke: bool, steps: int, tokenizer: str, work: Path | None) -> dict:
     return {
         "device": found["device"],
         "versions": f"JAX {found['jax']}, torch {found['torch']}",
-        "model": "tiny (smoke)" if smoke else "bert-base; Llama-3.2-1B shape",
+        "model": "tiny (smoke)"
+        if smoke
+        else "bert-base; Llama-3.2-1B shape; LoRA on Qwen2.5-0.5B shape",
         # Three significant digits: a CPU smoke run's peaks are far below 0.1 TFLOP/s.
         "bf16_peak_tflops_xla": float(f"{found['xla_tflops']:.3g}"),
         "bf16_peak_tflops_torch": float(f"{found['torch_tflops']:.3g}"),
@@ -238,13 +275,22 @@ def markdown(result: dict) -> str:
         f"{MFU_TARGET} |",
         "| --- | --- | --- | --- | --- | --- | --- | --- |",
     ]
-    for key in (k for k in result if k.startswith(("seq", "llm_seq"))):
+    names = {"seq": "{}", "llm_seq": "{} (decoder)", "lora_seq": "{} (LoRA)"}
+    for key in (k for k in result if k.startswith(tuple(names))):
         r = result[key]
         met = "yes" if r["mfu"] >= MFU_TARGET else "**no**"
-        name = f"{key[7:]} (decoder)" if key.startswith("llm") else key[3:]
+        prefix = key.rstrip("0123456789")
+        name = names[prefix].format(key[len(prefix) :])
         lines.append(
             f"| {name} | {r['batch']} | {r['examples_per_s']} | {r['peer_examples_per_s']} "
             f"| {r['vs_torch']} | {r['mfu']} | {r['peer_mfu']} | {met} |"
+        )
+    for key in (k for k in result if k.startswith("lora_seq")):
+        ratio = result[key]["vs_torch"]
+        met = "met" if ratio >= LORA_TARGET else "**missed**"
+        lines.append(
+            f"\nLoRA against transformers + PEFT at {key[8:]}: {ratio}× (target ≥ {LORA_TARGET}×: "
+            f"{met}; the CPU's figure is `make bench`'s `lora_vs_peft_ratio`)."
         )
     return "\n".join(lines) + "\n"
 
@@ -262,6 +308,7 @@ def main() -> None:
     p.add_argument("--seq", type=int)
     p.add_argument("--batch", type=int)
     p.add_argument("--llm", action="store_true", help="--side torch: the decoder")
+    p.add_argument("--lora", action="store_true", help="--side torch: LoRA on the Qwen shape")
     args = p.parse_args()
     if args.side == "peaks":
         print(json.dumps(peaks(args.n, require_gpu=not args.smoke)))
@@ -270,7 +317,9 @@ def main() -> None:
         model = TINY if args.smoke else BERT_BASE
         if args.llm:
             model = TINY_LLAMA if args.smoke else LLAMA_1B
-        rate = torch_peer(model, args.seq, args.batch, args.steps)
+        if args.lora:
+            model = TINY_QWEN if args.smoke else QWEN_05B
+        rate = torch_peer(model, args.seq, args.batch, args.steps, args.lora)
         print(json.dumps({"examples_per_s": rate}))
         return
     tokenizer = args.tokenizer or default_tokenizer()
@@ -278,7 +327,8 @@ def main() -> None:
         if args.work is None:
             p.error("--prepare-only: needs --work, the folder to write the datasets to")
         llm = SMOKE_LLM_SHAPE if args.smoke else LLM_SHAPE
-        for seq, batch in dict((*(SMOKE_SHAPES if args.smoke else SHAPES), llm)).items():
+        lora = SMOKE_LORA_SHAPE if args.smoke else LORA_SHAPE
+        for seq, batch in dict((*(SMOKE_SHAPES if args.smoke else SHAPES), llm, lora)).items():
             print(prepared(tokenizer, seq, batch, args.work))
         return
     t0 = time.monotonic()

@@ -23,7 +23,8 @@ BENCH_GPU = ROOT / "benchmarks" / "bench_gpu.py"
 
 
 def test_the_gpu_benchmark_smoke_run_measures_both_sides_on_cpu(tmp_path, minilm_dir):
-    """bert-base's two lengths and the decoder's (tiny Llama) case, each side measured."""
+    """bert-base's two lengths, the decoder's (tiny Llama) case and LoRA's (tiny Qwen, PEFT on
+    the peer's side), each side measured."""
     # In two stages, as on a GPU node without the preparation's packages: the datasets prepared
     # first (--prepare-only), then measured from --work with a bare tokenizer folder.
     tokenizer, work = tmp_path / "tokenizer", tmp_path / "work"
@@ -55,7 +56,7 @@ def test_the_gpu_benchmark_smoke_run_measures_both_sides_on_cpu(tmp_path, minilm
     result = json.loads((tmp_path / "gpu-results.json").read_text())
     assert result["model"] == "tiny (smoke)"
     assert result["bf16_peak_tflops_xla"] > 0 and result["bf16_peak_tflops_torch"] > 0
-    for key, batch in (("seq128", 4), ("seq512", 2), ("llm_seq128", 2)):
+    for key, batch in (("seq128", 4), ("seq512", 2), ("llm_seq128", 2), ("lora_seq128", 2)):
         row = result[key]
         assert row["batch"] == batch
         assert row["examples_per_s"] > 0 and row["peer_examples_per_s"] > 0
@@ -66,6 +67,8 @@ def test_the_gpu_benchmark_smoke_run_measures_both_sides_on_cpu(tmp_path, minilm
         assert 0 < row["mfu"] < 1 and 0 < row["peer_mfu"] < 1
     table = (tmp_path / "gpu-results.md").read_text()
     assert "| 128 | 4 |" in table and "| 512 | 2 |" in table and "| 128 (decoder) | 2 |" in table
+    assert "| 128 (LoRA) | 2 |" in table
+    assert f"LoRA against transformers + PEFT at 128: {result['lora_seq128']['vs_torch']}×" in table
 
 
 def test_the_gpu_benchmark_without_a_gpu_says_so_and_writes_nothing(tmp_path):
