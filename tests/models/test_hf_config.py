@@ -245,6 +245,14 @@ def test_a_bad_field_is_named(values, message):
         DecoderConfig.from_dict({"model_type": "llama", **values})
 
 
+@pytest.mark.parametrize("model_type", ["llama", "gemma3_text"])
+def test_a_rope_scaling_that_is_not_an_object_is_named_for_every_layout(model_type):
+    """Gemma 3's per-layer-type rope dicts take `rope_scaling` into the global layers' one."""
+    values = {"model_type": model_type, **TINY.get(model_type, {}), "rope_scaling": ["linear"]}
+    with pytest.raises(ValueError, match=re.escape("rope_scaling: must be an object or null")):
+        DecoderConfig.from_dict(values)
+
+
 def test_what_the_decoder_does_not_compute_is_refused():
     """Settings of these families' configs that would make another model than ours."""
     gemma = {"model_type": "gemma3_text"}

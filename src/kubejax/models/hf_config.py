@@ -143,6 +143,8 @@ def resolve(values: dict) -> SimpleNamespace:
             ]
     if getattr(hf, "layer_types", None) is not None:
         hf.layer_types = [LEGACY_LAYER_TYPES.get(t, t) for t in hf.layer_types]
+    if rope_scaling is not None and not isinstance(rope_scaling, dict):
+        raise ValueError(f"rope_scaling: must be an object or null, got {rope_scaling!r}")
     try:
         if model_type == "gemma3_text":
             hf.rope_parameters = _gemma_rope(hf, rope_scaling, rope_theta, local_theta)
@@ -178,8 +180,6 @@ def _check_types(hf: SimpleNamespace) -> None:
 def _rope(hf: SimpleNamespace, rope_scaling, rope_theta) -> dict:
     """`rope_parameters` as `RotaryEmbeddingConfigMixin` standardizes it: one dict, or one per
     layer type where the config nests them so."""
-    if rope_scaling is not None and not isinstance(rope_scaling, dict):
-        raise ValueError(f"rope_scaling: must be an object or null, got {rope_scaling!r}")
     params = rope_scaling or getattr(hf, "rope_parameters", None) or {}
     theta = DEFAULT_THETA if rope_theta is None else rope_theta
     partial = getattr(hf, "partial_rotary_factor", None)
