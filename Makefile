@@ -12,10 +12,10 @@ VERSION := $(shell sed -n 's/^__version__ = "\(.*\)"/\1/p' src/kubejax/version.p
 .PHONY: demo test docs docs-build docs-screenshots deploy-check cluster-up cluster-down load lint format bench compile image clean screenshots
 
 # `make demo` installs what the pipeline needs; `make test` adds the test tools and the
-# PyTorch reference (CPU build, pinned). Without pip's byte-compiling of every module it
-# installs (torch's and transformers' thousands: 1.5 of the set-up's 4.5 minutes on 2 cores);
-# Python compiles what it imports when it first imports it.
-PIP_INSTALL = -m pip install --quiet --no-compile
+# PyTorch reference (CPU build, pinned). pip byte-compiles what it installs (1.5 of the
+# set-up's 4.5 minutes on 2 cores), and must: these machines set PYTHONDONTWRITEBYTECODE, so a
+# module left uncompiled is compiled again at every import (the suite took 27 minutes, not 18).
+PIP_INSTALL = -m pip install --quiet
 $(VENV)/.installed-demo: pyproject.toml
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
 	$(BIN)/python $(PIP_INSTALL) --upgrade pip
