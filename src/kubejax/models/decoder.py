@@ -14,6 +14,11 @@ softmax in float32, grouped-query attention without copying K/V heads (the query
 group are one axis of the product). The config is read as transformers' config class of the
 family reads it (`hf_config`, checked against it), so a checkpoint's 4.x (`rope_scaling`,
 `rope_theta`) and 5.x (`rope_parameters`) layouts and each family's defaults read alike.
+
+For long sequences: the attention is one of `kubejax.models.attention`'s implementations (the
+reference above, a query-blocked path, splash on TPUs, cuDNN on GPUs; `DecoderModel.attention`),
+and the layers are stacked and scanned (`DecoderModel`), their kinds (a window, a RoPE base)
+passed per layer, each under a remat policy (`REMAT_POLICIES`).
 """
 
 from __future__ import annotations
@@ -29,7 +34,7 @@ import numpy as np
 from flax import nnx
 from jax.ad_checkpoint import checkpoint_name
 
-from kubejax.models import hf_config
+from kubejax.models import attention, hf_config
 from kubejax.models.kernels import linear, product
 from kubejax.models.partitioning import constrain
 from kubejax.models.projection import Projection
@@ -58,12 +63,20 @@ ACTIVATIONS = {
 }
 SLIDING, FULL = hf_config.SLIDING, hf_config.FULL
 #: Activation checkpointing of each layer (the `remat` setting): what the backward pass keeps
-#: of the forward's intermediates. `minimal` keeps every projection's output (q, k, v, o,
-#: gate, up, down: `Linear` names them) and recomputes the attention and the elementwise work;
-#: `full` keeps only the layer's input.
+#: of the forward's intermediates, the rest recomputed. `none` keeps the output of every
+#: product (the projections, the attention's scores and context) and recomputes only the
+#: elementwise work (norms, RoPE, softmax, activations), which XLA fuses into the backward's
+#: products: in a scanned layer whatever is kept is written out, each layer's, so keeping the
+#: elementwise intermediates too took 1.4-1.7 x the memory of this (bench/NOTES.md, attempt
+#: S1). `minimal` keeps every projection's output (q, k, v, o, gate, up, down: `Linear` names
+#: them) and the attention's (`attention.CONTEXT`: its output, and splash's softmax
+#: statistics), recomputing the attention's scores; `full` keeps only the layer's input.
 REMAT_POLICIES = {
-    "none": None,
-    "minimal": jax.checkpoint_policies.save_only_these_names("projection"),
+    "none": jax.checkpoint_policies.save_from_both_policies(
+        jax.checkpoint_policies.dots_saveable,
+        jax.checkpoint_policies.save_only_these_names("projection", attention.CONTEXT),
+    ),
+    "minimal": jax.checkpoint_policies.save_only_these_names("projection", attention.CONTEXT),
     "full": jax.checkpoint_policies.nothing_saveable,
 }
 
@@ -328,10 +341,20 @@ class Tokens:
         return ok[:, None, None]
 
 
-class Attention(nnx.Module):
-    """Grouped-query self-attention with RoPE, optional q/k norms and a sliding window."""
+@dataclasses.dataclass(frozen=True)
+class LayerKind:
+    """What differs between a decoder's layers: the RoPE frequencies and the sliding window of
+    one layer type (Gemma 3's local and global layers, Qwen's windowed ones)."""
 
-    def __init__(self, cfg: DecoderConfig, layer_type: str, dtype, rngs: nnx.Rngs):
+    inv_freq: tuple[float, ...]
+    window: int | None
+
+
+class Attention(nnx.Module):
+    """Grouped-query self-attention with RoPE, optional q/k norms and a sliding window, its
+    core one of `attention`'s implementations (`attention_spec`)."""
+
+    def __init__(self, cfg: DecoderConfig, dtype, rngs: nnx.Rngs):
         h, d = cfg.hidden_size, cfg.head_dim
         self.heads, self.kv_heads, self.head_dim = (
             cfg.num_attention_heads,
@@ -347,16 +370,21 @@ class Attention(nnx.Module):
             self.k_norm = RMSNorm(d, cfg.rms_norm_eps, cfg.gemma)
         else:
             self.q_norm = self.k_norm = None
-        self.window = cfg.sliding_window if layer_type == SLIDING else None
-        # Plain floats: a static part of the module, not a parameter.
-        self.inv_freq = tuple(float(f) for f in cfg.rope[layer_type].inv_freq(d))
         self.scale = cfg.attention_scale
 
     def __call__(
-        self, x: jax.Array, tokens: Tokens, queries: jax.Array | None, key: jax.Array | None
+        self,
+        x: jax.Array,
+        tokens: Tokens,
+        queries: jax.Array | None,
+        key: jax.Array | None,
+        kinds: tuple[LayerKind, ...],
+        kind,
+        spec: attention.Spec,
     ) -> jax.Array:
         """x [batch, length, hidden] → [batch, q, hidden] for the `queries` (None: all);
-        `key`: the LoRA adapters' dropout (None: none)."""
+        `key`: the LoRA adapters' dropout (None: none); `kinds[kind]` this layer's RoPE and
+        window (`kind` an int, or a traced index where layers of several kinds are scanned)."""
         b, n = x.shape[:2]
         kq, kk, kv, ko = keys(key, 4)
         q_in = x if queries is None else jnp.take_along_axis(x, queries[..., None], axis=1)
@@ -373,14 +401,17 @@ class Attention(nnx.Module):
         v = constrain(self.v_proj(x, kv).reshape(b, n, self.kv_heads, self.head_dim), *heads)
         if self.q_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
-        q = rotate(q, q_pos, self.inv_freq) * jnp.asarray(self.scale, q.dtype)
-        k = rotate(k, tokens.positions, self.inv_freq)
-        # The query heads of each key/value head as an axis of their own: no repeated K/V.
-        q = q.reshape(b, q.shape[1], self.kv_heads, self.heads // self.kv_heads, self.head_dim)
-        scores = jnp.einsum("bqkgd,bskd->bkgqs", q, k, preferred_element_type=jnp.float32)
-        scores = jnp.where(tokens.mask(queries, self.window), scores, jnp.finfo(jnp.float32).min)
-        probs = jax.nn.softmax(scores, axis=-1).astype(v.dtype)
-        ctx = jnp.einsum("bkgqs,bskd->bqkgd", probs, v, preferred_element_type=jnp.float32)
+        scale = jnp.asarray(self.scale, q.dtype)
+
+        def core(layer_kind: LayerKind, q, k, v):
+            q = rotate(q, q_pos, layer_kind.inv_freq) * scale
+            k = rotate(k, tokens.positions, layer_kind.inv_freq)
+            return attention.attend(q, k, v, tokens, queries, layer_kind.window, spec)
+
+        if isinstance(kind, int):
+            ctx = core(kinds[kind], q, k, v)
+        else:  # layers of several kinds in one scan: each kind's core, picked per layer
+            ctx = jax.lax.switch(kind, [partial(core, lk) for lk in kinds], q, k, v)
         ctx = constrain(
             ctx.reshape(b, q.shape[1], self.heads * self.head_dim), "batch", None, "heads"
         )
@@ -408,9 +439,9 @@ class MLP(nnx.Module):
 class DecoderLayer(nnx.Module):
     """Pre-norm block; Gemma 3 adds norms after the attention and around the MLP."""
 
-    def __init__(self, cfg: DecoderConfig, layer_type: str, dtype, rngs: nnx.Rngs):
+    def __init__(self, cfg: DecoderConfig, dtype, rngs: nnx.Rngs):
         eps, g = cfg.rms_norm_eps, cfg.gemma
-        self.self_attn = Attention(cfg, layer_type, dtype, rngs)
+        self.self_attn = Attention(cfg, dtype, rngs)
         self.mlp = MLP(cfg, dtype, rngs)
         self.input_layernorm = RMSNorm(cfg.hidden_size, eps, g)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, eps, g)
@@ -420,13 +451,20 @@ class DecoderLayer(nnx.Module):
         self.gemma = g
 
     def __call__(
-        self, x: jax.Array, tokens: Tokens, queries: jax.Array | None, key: jax.Array | None
+        self,
+        x: jax.Array,
+        tokens: Tokens,
+        queries: jax.Array | None,
+        key: jax.Array | None,
+        kinds: tuple[LayerKind, ...],
+        kind,
+        spec: attention.Spec,
     ) -> jax.Array:
         """`queries` [batch, q]: compute the outputs at those tokens only (None: all); `key`:
-        the LoRA adapters' dropout (None: none)."""
+        the LoRA adapters' dropout (None: none); `kinds[kind]`: the layer's RoPE and window."""
         k_attn, k_mlp = keys(key, 2)
         residual = x if queries is None else jnp.take_along_axis(x, queries[..., None], axis=1)
-        attn = self.self_attn(self.input_layernorm(x), tokens, queries, k_attn)
+        attn = self.self_attn(self.input_layernorm(x), tokens, queries, k_attn, kinds, kind, spec)
         if self.gemma:
             x = residual + self.post_attention_layernorm(attn)
             ff = self.mlp(self.pre_feedforward_layernorm(x), k_mlp)
@@ -447,17 +485,49 @@ class Embedding(nnx.Module):
         return jnp.take(self.embedding[...], ids, axis=0).astype(self.dtype)
 
 
+def layer_kinds(cfg: DecoderConfig) -> tuple[tuple[LayerKind, ...], tuple[int, ...]]:
+    """The distinct layer kinds of `cfg` and each layer's index into them."""
+    kinds: list[LayerKind] = []
+    index = []
+    for layer_type in cfg.layer_types:
+        kind = LayerKind(
+            tuple(float(f) for f in cfg.rope[layer_type].inv_freq(cfg.head_dim)),
+            cfg.sliding_window if layer_type == SLIDING else None,
+        )
+        if kind not in kinds:
+            kinds.append(kind)
+        index.append(kinds.index(kind))
+    return tuple(kinds), tuple(index)
+
+
 class DecoderModel(nnx.Module):
-    """Embeddings, the layers and the final norm (transformers' `model.` prefix)."""
+    """Embeddings, the layers and the final norm (transformers' `model.` prefix).
+
+    The layers are one `DecoderLayer` whose parameters are stacked [layers, ...] and run by
+    `jax.lax.scan` under the remat policy: the compiled program holds one layer, not L (the
+    24-layer Qwen shape's first step compiled ~80 s unrolled on a TPU, ../shared/TPU.md).
+    Layers of different kinds (Gemma 3's local and global layers) pass their kind's index as
+    a scanned input. `scan` False runs the same stacked layers one by one (the tests compare
+    both)."""
 
     def __init__(self, cfg: DecoderConfig, dtype, rngs: nnx.Rngs):
         self.embed_tokens = Embedding(cfg.vocab_size, cfg.hidden_size, dtype, rngs)
-        self.layers = nnx.List([DecoderLayer(cfg, t, dtype, rngs) for t in cfg.layer_types])
+
+        @nnx.split_rngs(splits=cfg.num_hidden_layers)
+        @nnx.vmap(in_axes=(0,), out_axes=0, axis_size=cfg.num_hidden_layers)
+        def stacked(rngs):
+            return DecoderLayer(cfg, dtype, rngs)
+
+        self.layers = stacked(rngs)
+        self.num_layers = cfg.num_hidden_layers
+        self.kinds, self.kind_of_layer = layer_kinds(cfg)
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, cfg.gemma)
         # Gemma scales the embeddings by √hidden, rounded to the compute dtype first.
         self.embed_scale = cfg.hidden_size**0.5 if cfg.gemma else None
         self.dtype = dtype
         self.remat = "none"
+        self.attention = attention.Spec()
+        self.scan = True
 
     def __call__(
         self,
@@ -472,29 +542,61 @@ class DecoderModel(nnx.Module):
         x = self.embed_tokens(ids)
         if self.embed_scale is not None:
             x = x * jnp.asarray(self.embed_scale, x.dtype)
-        last = len(self.layers) - 1
+        graphdef, state = nnx.split(self.layers)
+        n = self.num_layers
+        layer_keys = None if key is None else jax.random.split(key, n)
         policy = REMAT_POLICIES[self.remat]
-        for i, (layer, k) in enumerate(zip(self.layers, keys(key, len(self.layers)), strict=True)):
-            queries = last_queries if i == last else None
-            x = constrain(x, "batch", None, None)
-            if self.remat == "none":
-                x = layer(x, tokens, queries, k)
-            else:
-                x = _checkpointed(layer, policy)(x, tokens, queries, k)
+        kinds, spec = self.kinds, self.attention
+
+        def runner(kind):
+            """Layer `kind`'s forward (kind: an int, or a traced index into `kinds`), under the
+            remat policy."""
+
+            def run(state, x, layer_key, queries):
+                layer = nnx.merge(graphdef, state)
+                x = constrain(x, "batch", None, None)
+                return layer(x, tokens, queries, layer_key, kinds, kind, spec)
+
+            return jax.checkpoint(run, policy=policy)
+
+        at = partial(_layer, state)
+        # The last layer apart when it computes a few queries only (a classifier's last tokens,
+        # a language model's answer positions).
+        scanned = n if last_queries is None else n - 1
+        if not self.scan:
+            for i in range(scanned):
+                x = runner(self.kind_of_layer[i])(at(i), x, _key(layer_keys, i), None)
+        else:
+            kind_index = jnp.asarray(self.kind_of_layer, jnp.int32)
+
+            def body(x, xs):
+                state_i, i, layer_key = xs
+                run = runner(0 if len(kinds) == 1 else kind_index[i])
+                if scanned == n:
+                    return run(state_i, x, layer_key, None), None
+
+                # The scan still runs over all L stacked slices and leaves the last one's
+                # output aside: the stacked parameters are read in place (a slice of L - 1
+                # would copy them).
+                def layer(x):
+                    return run(state_i, x, layer_key, None)
+
+                return jax.lax.cond(i < scanned, layer, lambda x: x, x), None
+
+            x, _ = jax.lax.scan(body, x, (state, jnp.arange(n), layer_keys))
+        if scanned < n:
+            run = runner(self.kind_of_layer[n - 1])
+            x = run(at(n - 1), x, _key(layer_keys, n - 1), last_queries)
         return self.norm(constrain(x, "batch", None, None))
 
 
-def _checkpointed(layer: DecoderLayer, policy):
-    """`layer` as a function whose backward pass recomputes what `policy` does not keep. The
-    layer's state goes in as an argument (`jax.checkpoint` of a pure function): `nnx.remat`
-    refused a layer whose parameters came from an enclosing `lax.map` (the evaluation's
-    pieces)."""
-    graphdef, state = nnx.split(layer)
+def _layer(state, i: int):
+    """Layer `i`'s parameters of the stacked layers' state."""
+    return jax.tree.map(lambda a: a[i], state)
 
-    def run(state, x, tokens, queries, key):
-        return nnx.merge(graphdef, state)(x, tokens, queries, key)
 
-    return partial(jax.checkpoint(run, policy=policy), state)
+def _key(layer_keys, i: int):
+    return None if layer_keys is None else layer_keys[i]
 
 
 def keys(key: jax.Array | None, n: int) -> list[jax.Array | None]:

@@ -74,32 +74,51 @@ def _language_prefix(keys) -> str:
     return found[0]
 
 
-def param_table(model: DecoderClassifier | DecoderLM) -> Iterator[tuple[nnx.Variable, str, bool]]:
+def param_table(model: DecoderClassifier | DecoderLM) -> Iterator[tuple[nnx.Variable, Keys, bool]]:
     """(variable, HF key without the language prefix, transposed) for every parameter of the
-    decoder itself; heads are the caller's."""
+    decoder itself; heads are the caller's. The layers' variables are stacked [layers, ...]
+    (`DecoderModel`): theirs come with one key per layer, a list."""
     yield model.model.embed_tokens.embedding, "embed_tokens.weight", False
-    for i, layer in enumerate(model.model.layers):
-        p = f"layers.{i}."
-        for name in ("q_proj", "k_proj", "v_proj", "o_proj"):
-            yield from _linear(getattr(layer.self_attn, name), f"{p}self_attn.{name}")
-        for name in ("q_norm", "k_norm"):
-            norm = getattr(layer.self_attn, name)
-            if norm is not None:
-                yield norm.scale, f"{p}self_attn.{name}.weight", False
-        for name in ("gate_proj", "up_proj", "down_proj"):
-            yield from _linear(getattr(layer.mlp, name), f"{p}mlp.{name}")
-        norms = ["input_layernorm", "post_attention_layernorm"]
-        if layer.gemma:
-            norms += ["pre_feedforward_layernorm", "post_feedforward_layernorm"]
-        for name in norms:
-            yield getattr(layer, name).scale, f"{p}{name}.weight", False
+    layer, n = model.model.layers, model.model.num_layers
+
+    def each(stem: str) -> list[str]:
+        return [f"layers.{i}.{stem}" for i in range(n)]
+
+    for name in ("q_proj", "k_proj", "v_proj", "o_proj"):
+        yield from _linear(getattr(layer.self_attn, name), each(f"self_attn.{name}"))
+    for name in ("q_norm", "k_norm"):
+        norm = getattr(layer.self_attn, name)
+        if norm is not None:
+            yield norm.scale, each(f"self_attn.{name}.weight"), False
+    for name in ("gate_proj", "up_proj", "down_proj"):
+        yield from _linear(getattr(layer.mlp, name), each(f"mlp.{name}"))
+    norms = ["input_layernorm", "post_attention_layernorm"]
+    if layer.gemma:
+        norms += ["pre_feedforward_layernorm", "post_feedforward_layernorm"]
+    for name in norms:
+        yield getattr(layer, name).scale, each(f"{name}.weight"), False
     yield model.model.norm.scale, "norm.weight", False
 
 
-def _linear(linear, key: str):
-    yield linear.kernel, f"{key}.weight", True
+#: One tensor's key, or a stacked variable's keys (one a layer).
+Keys = str | list[str]
+
+
+def _linear(linear, keys: Keys):
+    stems = [keys] if isinstance(keys, str) else keys
+    weights = [f"{k}.weight" for k in stems]
+    yield linear.kernel, weights if isinstance(keys, list) else weights[0], True
     if linear.bias is not None:
-        yield linear.bias, f"{key}.bias", False
+        biases = [f"{k}.bias" for k in stems]
+        yield linear.bias, biases if isinstance(keys, list) else biases[0], False
+
+
+def _prefixed(prefix: str, keys: Keys) -> Keys:
+    return prefix + keys if isinstance(keys, str) else [prefix + k for k in keys]
+
+
+def _all(keys: Keys) -> list[str]:
+    return [keys] if isinstance(keys, str) else list(keys)
 
 
 class _Reader:
@@ -137,51 +156,69 @@ class _Reader:
 
 
 def _set(
-    var: nnx.Variable, reader: _Reader, key: str, transpose: bool, sharding, dtype=None
+    var: nnx.Variable, reader: _Reader, keys: Keys, transpose: bool, sharding, dtype=None
 ) -> None:
     """Fill `var` from the checkpoint, in `dtype` (None: the variable's own): whole on the
     default device, or with `sharding` each device's part read straight from the file (no
-    device holds the whole tensor)."""
+    device holds the whole tensor). A stacked variable (`keys` a list) takes layer i's tensor
+    at [i]."""
     current = var.get_value()  # a ShapeDtypeStruct in an abstract model
-    _check_shape(current, reader, key, transpose)
+    _check_shapes(current, reader, keys, transpose)
     dtype = np.dtype(dtype or current.dtype)
+    read = _stacked_reader(reader, keys, transpose, dtype)
     if sharding is None:
-        var.set_value(jnp.asarray(reader.get(key, transpose, dtype=dtype)))
+        var.set_value(jnp.asarray(read(tuple(slice(None) for _ in current.shape))))
         return
-    var.set_value(
-        jax.make_array_from_callback(
-            current.shape, sharding, lambda index: reader.get(key, transpose, index, dtype)
-        )
-    )
+    var.set_value(jax.make_array_from_callback(current.shape, sharding, read))
 
 
-def _check_shape(current, reader: _Reader, key: str, transpose: bool) -> None:
-    shape = reader.shape(key, transpose)
-    if tuple(current.shape) != shape:
-        raise ValueError(f"model: tensor {key} has shape {shape[::-1] if transpose else shape}")
+def _stacked_reader(reader: _Reader, keys: Keys, transpose: bool, dtype):
+    """`index → the part of the (stacked) tensor at index`, read from the file(s); a stacked
+    part is filled layer by layer into one array (never the list and the stack side by
+    side)."""
+    if isinstance(keys, str):
+        return lambda index: reader.get(keys, transpose, index, dtype)
+
+    def read(index):
+        layers = range(len(keys))[index[0] if index else slice(None)]
+        parts = None
+        for j, i in enumerate(layers):
+            part = reader.get(keys[i], transpose, index[1:], dtype)
+            if parts is None:
+                parts = np.empty((len(layers), *part.shape), part.dtype)
+            parts[j] = part
+        return parts
+
+    return read
 
 
-def _set_quantized(layer, reader: _Reader, key: str, qtype: str, name: str, placement) -> None:
+def _check_shapes(current, reader: _Reader, keys: Keys, transpose: bool) -> None:
+    expected = tuple(current.shape) if isinstance(keys, str) else tuple(current.shape[1:])
+    for key in _all(keys):
+        shape = reader.shape(key, transpose)
+        if expected != shape:
+            raise ValueError(f"model: tensor {key} has shape {shape[::-1] if transpose else shape}")
+
+
+def _set_quantized(layer, reader: _Reader, keys: Keys, qtype: str, name: str, placement) -> None:
     """Fill a projection's kernel from the checkpoint stored quantized (QLoRA): the tensor read
     as the file stores it (bfloat16 mostly) into its shards on the devices (`placement`;
     `name`: the kernel's dotted path), each process reading only its own devices' parts, and
     quantized there into codes and scales in their shards. The kernel in float32 is never
-    whole anywhere, and one projection at a time is on the devices in the file's form."""
+    whole anywhere, and one projection (of every layer) at a time is on the devices in the
+    file's form."""
     current = layer.kernel.get_value()
-    _check_shape(current, reader, key, True)
+    _check_shapes(current, reader, keys, True)
+    read = _stacked_reader(reader, keys, True, None)
     if placement is None:
-        kernel, shardings = reader.get(key, True, dtype=None), None
+        kernel, shardings = read(tuple(slice(None) for _ in current.shape)), None
     else:
         stem = name.rsplit(".", 1)[0]
-        n_in, n_out = current.shape
-        qshape = (n_in // 2 if qtype == "nf4" else n_in, n_out)
-        sshape = (n_in // block_size(n_in), n_out)
+        *lead, n_in, n_out = current.shape
+        qshape = (*lead, n_in // 2 if qtype == "nf4" else n_in, n_out)
+        sshape = (*lead, n_in // block_size(n_in), n_out)
         shardings = (placement(f"{stem}.qkernel", qshape), placement(f"{stem}.qscale", sshape))
-        kernel = jax.make_array_from_callback(
-            current.shape,
-            placement(name, current.shape),
-            lambda index: reader.get(key, True, index, dtype=None),
-        )
+        kernel = jax.make_array_from_callback(current.shape, placement(name, current.shape), read)
     codes, scale = quantize_kernel(kernel, qtype, shardings)
     del kernel  # the file's form goes before the next projection is read
     layer.store_quantized(codes, scale, qtype)
@@ -199,10 +236,10 @@ def load_pretrained(
     load in (a classifier's `score` stays float32: LoRA trains it in float32)."""
     files = checkpoint_files(model_dir)
     prefix = _language_prefix(files)
-    table = [(var, prefix + key, t) for var, key, t in param_table(model)]
+    table = [(var, _prefixed(prefix, keys), t) for var, keys, t in param_table(model)]
     reader = _Reader(files)
     heads = _heads(model, reader, prefix)
-    wanted = {key for _, key, _ in table} | {key for _, key, _ in heads}
+    wanted = {key for _, keys, _ in table + heads for key in _all(keys)}
     missing = sorted(wanted - set(files))
     optional = {"lm_head.weight", "score.weight", prefix + "lm_head.weight"}
     # A multimodal checkpoint's other towers live outside the language prefix.
@@ -224,15 +261,17 @@ def load_pretrained(
     # QLoRA: the decoder's own projections (its heads are not in `model.model`).
     graph = nnx.iter_graph(model.model) if qtype else ()
     quantized = {id(node.kernel): node for _, node in graph if isinstance(node, Projection)}
-    for var, key, transpose in table + heads:
+    for var, keys, transpose in table + heads:
         name = names.get(id(var), "")
         if id(var) in quantized:
-            _set_quantized(quantized[id(var)], reader, key, qtype, name, placement)
+            _set_quantized(quantized[id(var)], reader, keys, qtype, name, placement)
             continue
         shape = var.get_value().shape
         sharding = placement(name, shape) if placement else None
-        as_matrix = matrices is not None and len(shape) >= 2 and key != "score.weight"
-        _set(var, reader, key, transpose, sharding, matrices if as_matrix else None)
+        # A stacked variable's per-layer dimensions: [layers, ...] less the first.
+        per_layer = len(shape) - (not isinstance(keys, str))
+        as_matrix = matrices is not None and per_layer >= 2 and keys != "score.weight"
+        _set(var, reader, keys, transpose, sharding, matrices if as_matrix else None)
     if isinstance(model, DecoderClassifier) and not heads:
         return ["score"]
     return []
@@ -295,10 +334,14 @@ def build(cfg: DecoderConfig, task: str, num_labels: int, dtype=jnp.float32, see
 
 
 def export_tensors(model) -> Iterator[tuple[str, np.ndarray]]:
-    """(HF key, float32 array) of every weight, in `*For…` names, one at a time."""
-    for var, key, transpose in param_table(model):
+    """(HF key, float32 array) of every weight, in `*For…` names, one at a time (a stacked
+    variable's layers one by one)."""
+    for var, keys, transpose in param_table(model):
         value = np.asarray(jax.device_get(var[...]), np.float32)
-        yield "model." + key, np.ascontiguousarray(value.T if transpose else value)
+        if isinstance(keys, str):
+            value, keys = value[None], [keys]
+        for key, part in zip(keys, value, strict=True):
+            yield "model." + key, np.ascontiguousarray(part.T if transpose else part)
     head = model.score if isinstance(model, DecoderClassifier) else model.lm_head
     if head is not None:
         name = "score.weight" if isinstance(model, DecoderClassifier) else "lm_head.weight"

@@ -27,18 +27,22 @@ def product(a: jax.Array, b: jax.Array) -> jax.Array:
 
 
 def matrices_in(params, dtype):
-    """`params` with every floating matrix (weights, embedding tables) in `dtype` and the
-    vectors (biases, LayerNorm's) as they are: for inference. The model casts each matrix to
-    its compute dtype as it uses it, which in bfloat16 made every evaluation batch convert them
-    all (bench/NOTES.md, attempt 41); cast once, the logits are the same."""
+    """`params` with every floating matrix (weights, embedding tables; a stacked decoder's of
+    each layer) in `dtype` and the vectors (biases, norms' scales) as they are: for inference.
+    The model casts each matrix to its compute dtype as it uses it, which in bfloat16 made
+    every evaluation batch convert them all (bench/NOTES.md, attempt 41); cast once, the
+    logits are the same."""
+    from kubejax.models.partitioning import is_matrix, path_name
+
     dtype = jnp.dtype(dtype)
 
-    def cast(p):
-        if p.ndim >= 2 and jnp.issubdtype(p.dtype, jnp.floating) and p.dtype != dtype:
+    def cast(path, p):
+        matrix = is_matrix(path_name(path), p.ndim)
+        if matrix and jnp.issubdtype(p.dtype, jnp.floating) and p.dtype != dtype:
             return p.astype(dtype)
         return p
 
-    return jax.tree.map(cast, params)
+    return jax.tree_util.tree_map_with_path(cast, params)
 
 
 def _transposed_product(a: jax.Array, g: jax.Array) -> jax.Array:
@@ -130,15 +134,24 @@ def _dense_bwd(residuals, g):
 dense.defvjp(_dense_fwd, _dense_bwd)
 
 
-@jax.custom_vjp
 def linear(x: jax.Array, kernel: jax.Array) -> jax.Array:
-    """`x @ kernel` over x's last axis, in x's dtype (`dense` without a bias): the kernel's
-    gradient through `_transposed_product` over every token."""
+    """`x @ kernel` over x's last axis, in x's dtype (`dense` without a bias). On CPU its
+    kernel gradient goes through `_transposed_product` over every token (`_cpu_linear`);
+    elsewhere it is the plain product, which a remat policy sees as one (a custom rule's
+    residuals are not a policy's to keep: every projection's forward product ran again in the
+    backward pass, a third more work a step on a TPU; bench/NOTES.md, attempt T2)."""
+    if jax.default_backend() == "cpu":
+        return _cpu_linear(x, kernel)
+    return jnp.matmul(x, kernel.astype(x.dtype))
+
+
+@jax.custom_vjp
+def _cpu_linear(x: jax.Array, kernel: jax.Array) -> jax.Array:
     return product(x, kernel.astype(x.dtype)).astype(x.dtype)
 
 
 def _linear_fwd(x, kernel):
-    return linear(x, kernel), (x, kernel)
+    return _cpu_linear(x, kernel), (x, kernel)
 
 
 def _linear_bwd(residuals, g):
@@ -148,4 +161,4 @@ def _linear_bwd(residuals, g):
     return grad_x, grad_kernel.astype(kernel.dtype)
 
 
-linear.defvjp(_linear_fwd, _linear_bwd)
+_cpu_linear.defvjp(_linear_fwd, _linear_bwd)

@@ -108,9 +108,10 @@ def apply(
             continue
         n_in, n_out = layer.shape
         bound = 1.0 / np.sqrt(n_in)
-        a = jax.random.uniform(jax.random.fold_in(key, i), (n_in, rank), jnp.float32, -bound, bound)
+        shape = (*layer.stack, n_in, rank)  # a stacked decoder's: one adapter a layer
+        a = jax.random.uniform(jax.random.fold_in(key, i), shape, jnp.float32, -bound, bound)
         layer.lora_a = nnx.LoRAParam(a)
-        layer.lora_b = nnx.LoRAParam(jnp.zeros((rank, n_out), jnp.float32))
+        layer.lora_b = nnx.LoRAParam(jnp.zeros((*layer.stack, rank, n_out), jnp.float32))
         layer.lora_scale = float(alpha) / rank
         layer.lora_dropout = float(dropout)
         adapted.append(path)
@@ -137,6 +138,7 @@ def merge(model) -> None:
     for layer in adapters(model).values():
         a = np.asarray(layer.lora_a[...], np.float32)
         b = np.asarray(layer.lora_b[...], np.float32)
+        # Stacked layers' adapters multiply layer by layer (matmul over the leading axis).
         kernel = np.asarray(layer.kernel[...], np.float32) + (a @ b) * np.float32(layer.lora_scale)
         layer.kernel = nnx.Param(jnp.asarray(kernel))
         layer.lora_a = layer.lora_b = None
@@ -176,13 +178,14 @@ def save_adapter(model, out_dir: Path, base_model: str) -> None:
     tensors, modules_to_save = _head_tensors(model)
     modules = []
     for path, layer in found.items():
-        module = hf_names.get(path, path)
-        modules.append(module)
-        stem = f"base_model.model.{module}"
-        tensors[f"{stem}.lora_A.weight"] = np.ascontiguousarray(np.asarray(layer.lora_a[...]).T)
-        tensors[f"{stem}.lora_B.weight"] = np.ascontiguousarray(np.asarray(layer.lora_b[...]).T)
+        a, b = np.asarray(layer.lora_a[...]), np.asarray(layer.lora_b[...])
+        for module, a_i, b_i in _per_layer(hf_names.get(path, path), layer.stack, a, b):
+            modules.append(module)
+            stem = f"base_model.model.{module}"
+            tensors[f"{stem}.lora_A.weight"] = np.ascontiguousarray(a_i.T)
+            tensors[f"{stem}.lora_B.weight"] = np.ascontiguousarray(b_i.T)
     any_layer = next(iter(found.values()))
-    rank = int(any_layer.lora_a.shape[1])
+    rank = int(any_layer.lora_a.shape[-1])
     # The decoders' projection names are unique suffixes; BERT's `output.dense` is also the
     # end of `attention.output.dense`, so its modules are listed by their full names.
     targets = sorted(set(modules) if hf_names else {m.rsplit(".", 1)[-1] for m in modules})
@@ -203,6 +206,16 @@ def save_adapter(model, out_dir: Path, base_model: str) -> None:
     out_dir.mkdir(parents=True, exist_ok=True)
     (out_dir / "adapter_config.json").write_text(json.dumps(config, indent=2) + "\n")
     save_file(tensors, out_dir / "adapter_model.safetensors", metadata={"format": "pt"})
+
+
+def _per_layer(module: str, stack: tuple[int, ...], a: np.ndarray, b: np.ndarray):
+    """(Hugging Face module name, A, B) of each layer of a projection: a stacked decoder's
+    `model.layers.self_attn.q_proj` is transformers' `model.layers.{i}.self_attn.q_proj`."""
+    if not stack:
+        yield module, a, b
+        return
+    for i in range(stack[0]):
+        yield module.replace("layers.", f"layers.{i}.", 1), a[i], b[i]
 
 
 # ---------------------------------------------------------------------------------------------

@@ -72,11 +72,28 @@ def path_name(path) -> str:
     return ".".join(parts)
 
 
+def stacked(name: str) -> bool:
+    """Whether the parameter called `name` belongs to a decoder's stacked layers
+    (`model.layers.self_attn.q_proj.kernel`: [layers, in, out]; BERT's `bert.layers.0.…` is
+    one layer's)."""
+    return re.search(r"(^|\.)layers\.(?!\d)", name) is not None
+
+
+def is_matrix(name: str, ndim: int) -> bool:
+    """Whether the parameter called `name` is a weight matrix or table (of each layer, when
+    stacked), as opposed to a vector (a bias, a norm's scale)."""
+    return ndim - stacked(name) >= 2
+
+
 def logical_axes(name: str, ndim: int) -> tuple[str | None, ...]:
-    """The logical axes of the parameter called `name` with `ndim` dimensions."""
+    """The logical axes of the parameter called `name` with `ndim` dimensions; a decoder's
+    stacked layers (`model.layers.…`, [layers, ...]) lead with an unsharded layer axis."""
     for pattern, axes in LOGICAL_AXES:
-        if re.search(pattern, name) and len(axes) == ndim:
-            return axes
+        if re.search(pattern, name):
+            if len(axes) == ndim:
+                return axes
+            if stacked(name) and len(axes) + 1 == ndim:
+                return (None, *axes)
     return (None,) * ndim
 
 

@@ -76,11 +76,16 @@ class Projection(nnx.Module):
 
     @property
     def shape(self) -> tuple[int, int]:
-        """The kernel's [in, out], stored quantized or not."""
+        """The kernel's [in, out], stored quantized or not (a stacked layer's: one layer's)."""
         if self.qkernel is None:
-            return tuple(self.kernel.shape)
-        n_in, n_out = self.qkernel.shape
+            return tuple(self.kernel.shape[-2:])
+        n_in, n_out = self.qkernel.shape[-2:]
         return (n_in if self.qtype == "int8" else 2 * n_in), n_out
+
+    @property
+    def stack(self) -> tuple[int, ...]:
+        """The leading axes of stacked layers' kernels ([layers] in a decoder; () in BERT)."""
+        return tuple((self.kernel if self.qkernel is None else self.qkernel).shape[:-2])
 
     def store_quantized(self, codes: jax.Array, scale: jax.Array, qtype: str) -> None:
         """Hold the kernel as `quantize_kernel`'s codes and scales (QLoRA's frozen base)."""

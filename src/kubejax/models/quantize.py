@@ -36,8 +36,9 @@ def block_size(n_in: int) -> int:
 
 
 def quantize_kernel(kernel: jax.Array, qtype: str, shardings=None) -> tuple[jax.Array, jax.Array]:
-    """(codes, scales) of a kernel [in, out] (any float type, on the devices or the host's
-    array), computed where the kernel is, in one compiled program: per block of
+    """(codes, scales) of a kernel [..., in, out] (leading axes: stacked layers'; any float
+    type, on the devices or the host's array), computed where the kernel is, in one compiled
+    program: per block of
     `block_size(in)` inputs and each output, the absmax scale [in / block, out] (float32) and
     the codes: int8 [in, out] (round(w / absmax · 127)), or nf4, two 4-bit codes a byte along
     the input [in / 2, out] (the nearest NF4 level of w / absmax, a tie to the lower one, as
@@ -56,29 +57,30 @@ def _quantizer(qtype: str, shardings):
 
 
 def _quantize(kernel: jax.Array, qtype: str) -> tuple[jax.Array, jax.Array]:
-    n_in, n_out = kernel.shape
+    *lead, n_in, n_out = kernel.shape
     block = block_size(n_in)
-    blocks = kernel.astype(jnp.float32).reshape(n_in // block, block, n_out)
-    scale = jnp.max(jnp.abs(blocks), axis=1)
+    blocks = kernel.astype(jnp.float32).reshape(*lead, n_in // block, block, n_out)
+    scale = jnp.max(jnp.abs(blocks), axis=-2)
     scale = jnp.where(scale == 0, jnp.float32(1), scale)
-    normed = (blocks / scale[:, None, :]).reshape(n_in, n_out)
+    normed = (blocks / scale[..., None, :]).reshape(*lead, n_in, n_out)
     if qtype == "int8":
         return jnp.round(normed * 127).astype(jnp.int8), scale
     # A level's code is the number of midpoints below the value: 15 comparisons XLA fuses into
     # one pass (an argmin over [in, out, 16] values took 27 s for Qwen2.5-0.5B's projections
     # in NumPy, bench/NOTES.md).
     codes = sum((normed > m).astype(jnp.uint8) for m in NF4_MIDPOINTS.tolist())
-    return codes[0::2] | (codes[1::2] << 4), scale
+    return codes[..., 0::2, :] | (codes[..., 1::2, :] << 4), scale
 
 
 def dequantize_kernel(codes: jax.Array, scale: jax.Array, qtype: str) -> jax.Array:
-    """The float32 kernel [in, out] of `quantize_kernel`'s codes and scales."""
+    """The float32 kernel [..., in, out] of `quantize_kernel`'s codes and scales (leading axes:
+    a stacked layer's)."""
     if qtype == "int8":
         values = codes.astype(jnp.float32) / 127.0
     else:
         low, high = codes & 0x0F, codes >> 4
-        idx = jnp.stack([low, high], axis=1).reshape(-1, codes.shape[1])
+        idx = jnp.stack([low, high], axis=-2).reshape(*codes.shape[:-2], -1, codes.shape[-1])
         values = jnp.asarray(NF4)[idx.astype(jnp.int32)]
-    n_in, n_out = values.shape
-    blocks = values.reshape(scale.shape[0], n_in // scale.shape[0], n_out)
-    return (blocks * scale[:, None, :]).reshape(n_in, n_out)
+    *lead, n_in, n_out = values.shape
+    blocks = values.reshape(*lead, scale.shape[-2], n_in // scale.shape[-2], n_out)
+    return (blocks * scale[..., None, :]).reshape(*lead, n_in, n_out)
