@@ -199,7 +199,26 @@ def test_metadata_and_report(tmp_path, minilm_dir, prepared):
     assert meta["tokenizer_engine"] in html
     assert "Class balance" in html and "Token lengths (train split)" in html
     assert f"max_length {meta['max_length']}" in html and "length buckets (32)" in html
+    # The real-token share of the training rows, with and without packing.
+    share = train["real_token_share"]
+    assert 0 < share["padded"] <= share["bucketed"] <= 1 and share["packed"] > share["padded"]
+    assert "reviews packed in rows of max_length (packing)" in html
+    assert f"{share['packed']:.1%}" in html and f"{share['padded']:.1%}" in html
     assert_self_contained_report(html, figures=2)
+
+
+def test_the_real_token_share_with_and_without_packing():
+    from kubejax.data.dataset import real_token_share
+
+    # Reviews of 10 and 30 tokens at max_length 40: each padded to 40 fills half the tokens;
+    # buckets of 32 pad them to 32 each (40/64); packed first-fit in shuffled order, nearly
+    # every row takes one of each (a row of 10s leaves no room for a 30).
+    lengths = np.array([10, 30] * 50)
+    assert real_token_share(lengths, 40, packed=False) == 0.5
+    assert real_token_share(lengths, 40, packed=False, bucket_multiple=32) == 40 / 64
+    assert 0.95 < real_token_share(lengths, 40, packed=True) < 1.0
+    # Longer reviews count as truncated to max_length.
+    assert real_token_share(np.array([50, 40]), 40, packed=False) == 1.0
 
 
 def test_truncation_equals_the_tokenizers_own(minilm_dir):

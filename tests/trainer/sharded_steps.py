@@ -18,8 +18,9 @@ from flax import nnx  # noqa: E402
 from kubejax.models import decoder_weights, lora, weights  # noqa: E402
 from kubejax.trainer import distributed, sharding  # noqa: E402
 from kubejax.trainer.config import TrainConfig  # noqa: E402
+from kubejax.trainer.optimizer import make_optimizer  # noqa: E402
 from kubejax.trainer.steps import make_train_step  # noqa: E402
-from kubejax.trainer.train import make_mesh, make_optimizer, place_state  # noqa: E402
+from kubejax.trainer.train import make_mesh, place_state  # noqa: E402
 
 
 def run(model_dir: str, mesh_text: str, steps: int = 3) -> dict:

@@ -3,6 +3,7 @@ lets every CPU process write to it across JAX's `_cache_write` signatures."""
 
 from __future__ import annotations
 
+import re
 import subprocess
 from pathlib import Path
 from types import SimpleNamespace
@@ -94,6 +95,12 @@ def test_a_trainer_started_without_a_cache_keeps_its_programs_in_the_user_cache(
     assert run.returncode == 0, run.stderr[-3000:]
     entries = list((tmp_path / "xdg" / "kubejax" / "jax").iterdir())
     assert len(entries) >= 3  # the train and evaluation steps, the optimizer's set-up
+    assert re.search(r"first step .*compilation cache: \d+ hits?, [1-9]\d* miss", run.stdout)
+    # A sweep's next trial (another learning rate: the same programs) finds them all.
+    args = tiny_args(tiny_model_dir, prepared, tmp_path / "out2", max_steps=1, learning_rate=1e-3)
+    run = subprocess.run(trainer_cmd(*args), env=env, capture_output=True, text=True, timeout=300)
+    assert run.returncode == 0, run.stderr[-3000:]
+    assert re.search(r"first step .*compilation cache: [1-9]\d* hits?, 0 misses\)", run.stdout)
 
 
 def test_a_cache_the_user_set_is_kept_and_one_that_cannot_be_made_is_skipped(tmp_path, monkeypatch):

@@ -11,9 +11,12 @@ import numpy as np
 import pytest
 from flax import nnx
 
+from kubejax.models.partitioning import is_matrix, path_name
 from kubejax.trainer import distributed, steps
 from kubejax.trainer.config import TrainConfig
-from kubejax.trainer.train import classifier_for, make_optimizer, place_state
+from kubejax.trainer.model_setup import classifier_for
+from kubejax.trainer.optimizer import make_optimizer
+from kubejax.trainer.train import place_state
 from tests.helpers import assert_close_to_scale
 
 
@@ -43,9 +46,11 @@ def _model(model_dir, deep: bool = False, **settings):
 
 
 def test_remat_keeps_the_gradients_and_recomputes_what_its_policy_drops(tiny_decoder_dir):
-    """The backward pass recomputes what `remat` does not keep: the attention's batched
-    products with `minimal` (the projections' outputs are kept), every product with `full`;
-    the gradients stay those of `none`. (XLA's CPU compiler folds the recomputation back into
+    """The backward pass recomputes what `remat` does not keep: the attention's scores with
+    `minimal` (the projections' outputs and the attention's are kept), every product with
+    `full`; `none` recomputes no product; the gradients stay those of `none`. The program
+    holds the scanned layer once, and the last layer apart (a classifier's, at its last tokens
+    only): two copies of each product. (XLA's CPU compiler folds the recomputation back into
     the forward's values, as it does for `jax.checkpoint` itself, so on CPU the compiled step's
     memory does not change; the policy is visible in the program JAX hands to XLA.)"""
     grads, products = {}, {}
@@ -63,11 +68,11 @@ def test_remat_keeps_the_gradients_and_recomputes_what_its_policy_drops(tiny_dec
     for remat in ("minimal", "full"):
         for ours, expected in zip(grads[remat], grads["none"], strict=True):
             assert_close_to_scale(np.asarray(ours), np.asarray(expected), 1e-5, remat)
-    layers = 8
-    # minimal: each layer's two attention products again; full: every product whose output
-    # the backward pass reads (all but the MLP's down projection, eight of nine).
-    assert products["minimal"] - products["none"] == 2 * layers, products
-    assert products["full"] - products["none"] == 8 * layers, products
+    copies = 2  # the scanned layer and the last one
+    # minimal: the attention's scores again; full: every product whose output the backward
+    # pass reads (all but the MLP's down projection, eight of nine).
+    assert products["minimal"] - products["none"] == 1 * copies, products
+    assert products["full"] - products["none"] == 8 * copies, products
 
 
 def test_bfloat16_weights_train_with_float32_moments(tiny_decoder_dir):
@@ -88,9 +93,14 @@ def test_bfloat16_weights_train_with_float32_moments(tiny_decoder_dir):
             params, opt_state, metrics = step(params, opt_state, batch, i, np.float32(1e-3))
             out.append(float(metrics["loss"]))
         losses[param_dtype] = out
-        kernels = [p for p in jax.tree.leaves(params) if p.ndim == 2]
+        # The matrices (a stacked decoder's [layers, in, out]) in param_dtype; the vectors
+        # (norms' scales, [layers, hidden] when stacked) stay float32.
+        flat = jax.tree_util.tree_flatten_with_path(params)[0]
+        kernels = [p for path, p in flat if is_matrix(path_name(path), p.ndim)]
+        vectors = [p for path, p in flat if not is_matrix(path_name(path), p.ndim)]
         assert {p.dtype for p in kernels} == {jnp.dtype(param_dtype)}
-        moments = [m for m in jax.tree.leaves(opt_state) if getattr(m, "ndim", 0) == 2]
+        assert vectors and {p.dtype for p in vectors} == {jnp.dtype(jnp.float32)}
+        moments = [m for m in jax.tree.leaves(opt_state) if getattr(m, "ndim", 0) >= 2]
         assert moments and {m.dtype for m in moments} == {jnp.dtype(jnp.float32)}
     np.testing.assert_allclose(losses["bfloat16"], losses["float32"], rtol=2e-2)
     assert losses["bfloat16"][-1] < losses["bfloat16"][0]

@@ -78,13 +78,19 @@ def test_a_run_that_does_not_fit_is_refused_naming_each_figure_and_what_fits():
     assert "\n" not in message
     for figure in ("params", "grads", "optimizer", "activations", "gathered", "on mesh"):
         assert figure in message
-    mesh, accum = message.split("fits with mesh=")[1].split(" and grad_accum_steps=")
+    # "fits with mesh=…, grad_accum_steps=N (… per device), or with attention=…, …"
+    first, second = message.split("fits with ")[1].split(", or with ")
+    changes = dict(part.split("=", 1) for part in first.split(" (")[0].split(", ", 1))
+    assert set(changes) == {"mesh", "grad_accum_steps"}, message
     fit = plan.plan_memory(
-        _cfg(global_batch_size=32, max_length=512, mesh=mesh, grad_accum_steps=int(accum[:2])),
+        _cfg(global_batch_size=32, max_length=512, mesh=changes["mesh"],
+             grad_accum_steps=int(changes["grad_accum_steps"])),
         model_cfg, 5, 4, plan.parse_bytes("300MiB"),
     )  # fmt: skip
     assert fit.fits
-    with pytest.raises(InfeasibleError, match="no mesh of 4 devices fits"):
+    # The other way changes a setting the run does not have (its attention is the reference).
+    assert second.startswith("attention=chunked"), message
+    with pytest.raises(InfeasibleError, match=r"nothing on 4 device\(s\) fits even one row"):
         plan.check_fits(cfg, model_cfg, 5, 4, plan.parse_bytes("10MiB"))
 
 
@@ -98,7 +104,7 @@ def test_device_memory_from_the_setting_or_the_gpu_product():
     # JAX's allocator takes 75 % of a GPU unless told otherwise.
     assert plan.device_memory_of(_cfg(), selector) == 30 * 10**9
     assert plan.device_memory_of(_cfg(device_memory="16GiB"), selector) == 16 * 2**30
-    with pytest.raises(ConfigError, match="device_memory: 'lots' is not a size"):
+    with pytest.raises(ConfigError, match="device_memory: 'lots' is neither a size"):
         _cfg(device_memory="lots").validate(check_paths=False)
 
 
@@ -153,3 +159,82 @@ def test_lora_settings_are_refused_before_any_job(capsys):
         assert main(["render", "--", *args]) == 2, expected
         out, err = capsys.readouterr()
         assert expected in err and out == "", (expected, err)
+
+
+def _tpu_cases() -> dict:
+    sys.path.insert(0, str(Path(__file__).parents[2] / "benchmarks"))
+    import bench_tpu
+
+    return {case.name: case for case in bench_tpu.cases()}
+
+
+def _tpu_cfg(model: dict, settings: dict) -> TrainConfig:
+    fields = {k: v for k, v in settings.items() if k in TrainConfig.__dataclass_fields__}
+    return TrainConfig(model="scratch", scratch_config=json.dumps(model), tokenizer="-",
+                       data_dir="-", output_dir="-", device_memory="v5e", **fields)  # fmt: skip
+
+
+def test_the_plan_agrees_with_the_step_programs_measured_on_a_tpu():
+    """Each case of the TPU benchmark (bench/tpu-results.json, a v5e chip, the trainer as a job
+    runs it): the plan of its settings within 15 % of what its compiled step needs there (XLA's
+    memory analysis: arguments, outputs, temporaries), and a run that ran out of the chip's
+    memory refused."""
+    result = json.loads((Path(__file__).parents[2] / "bench" / "tpu-results.json").read_text())
+    cases = _tpu_cases()
+    checked = 0
+    for row in result["cases"]:
+        if not row.get("step_program_bytes"):
+            continue
+        cfg = _tpu_cfg(cases[row["case"]].model, row["settings"])
+        planned = plan.plan_memory(cfg, plan.model_config(cfg), 5, 1, None, platform="tpu")
+        assert 0.85 <= planned.total / row["step_program_bytes"] <= 1.15, (row["what"], planned)
+        if "error" in row:
+            assert planned.total > plan.device_memory_of(cfg), row["what"]
+        checked += 1
+    assert checked >= 6
+
+
+@pytest.mark.parametrize(
+    ("shape", "settings", "fits_with", "never"),
+    [
+        # Llama-3.2-1B LoRA at 4 × 2,048 with the reference attention: 38 GB of temporaries on
+        # the chip (../shared/TPU.md).
+        ("LLAMA_1B", {"peft": "lora", "attention": "xla", "global_batch_size": 4},
+         ["grad_accum_steps=4", "attention=splash"], ["param_dtype", "peft="]),
+        # Its full fine-tuning with bfloat16 weights and remat minimal: out of memory at the
+        # optimizer's initialisation.
+        ("LLAMA_1B", {"remat": "minimal", "global_batch_size": 4}, ["peft=lora"],
+         ["param_dtype", "remat=minimal", "attention="]),
+        ("QWEN_05B", {"peft": "lora", "global_batch_size": 16}, ["grad_accum_steps=2"],
+         ["peft=", "attention=", "param_dtype"]),
+    ],
+)  # fmt: skip
+def test_what_does_not_fit_a_tpu_chip_is_refused_naming_what_would(shape, settings, fits_with,
+                                                                    never):  # fmt: skip
+    """Refused before anything starts, naming the least changes that fit (a smaller
+    micro-batch, a memory-efficient attention, remat, LoRA), never a setting the run has."""
+    import bench_tpu  # noqa: F401  (_tpu_cases puts benchmarks/ on the path)
+
+    _tpu_cases()
+    model = getattr(sys.modules["bench_tpu"], shape)
+    cfg = _tpu_cfg(model, {"max_length": 2048, "dtype": "bfloat16", "param_dtype": "bfloat16",
+                           **settings})  # fmt: skip
+    with pytest.raises(InfeasibleError) as err:
+        plan.check_fits(cfg, plan.model_config(cfg), 5, 1, plan.device_memory_of(cfg), "tpu")
+    message = str(err.value)
+    assert "more than the 15.75 GiB of the device" in message, message
+    advice = message.split("; ", 1)[1]
+    for change in fits_with:
+        assert change in advice, message
+    for setting in never:
+        assert setting not in advice, message
+
+
+def test_device_memory_takes_a_tpu_type_and_the_node_selector_a_slice():
+    cfg = _cfg(device_memory="tpu-v6e-slice")
+    assert plan.device_memory_of(cfg) == int(32 * 2**30 * 15.75 / 16)
+    selector = {"cloud.google.com/gke-tpu-accelerator": "tpu-v5-lite-podslice"}
+    assert plan.device_memory_of(_cfg(), selector) == int(16 * 2**30 * 15.75 / 16)
+    assert plan.platform_of(_cfg(), selector) == "tpu"
+    with pytest.raises(ConfigError, match="device_memory: 'tpu-v9' is neither a size"):
+        _cfg(device_memory="tpu-v9").validate(check_paths=False)

@@ -275,13 +275,21 @@ def test_each_optimizer_lowers_the_loss(optimizer, tmp_path, tiny_model_dir, six
 
 
 def test_without_save_final_a_run_keeps_no_final_checkpoint_and_no_model(
-    tmp_path, tiny_model_dir, sixteen_rows
+    tmp_path, capsys, tiny_model_dir, sixteen_rows
 ):
     out = tmp_path / "trial"
     flags = {"max_steps": 3, "checkpoint_every": 2, "save_final": False}
     assert trainer_main(tiny_args(tiny_model_dir, sixteen_rows, out, **flags)) == 0
     metrics = json.loads((out / "metrics.json").read_text())
     assert metrics["status"] == "completed" and metrics["final"]["steps"] == 3
+    # The first step's time, its compile included, said once and kept.
+    first = metrics["final"]["first_step_s"]
+    assert 0 < first < metrics["final"]["wall_s"]
+    said = capsys.readouterr().out
+    assert f"first step {first:.1f} s (compile included; compilation cache: " in said
+    # And what the run did not do: compile a step a second time (the step program's analysis
+    # is read on accelerators only).
+    assert "step program:" not in said
     assert sorted(p.name for p in (out / "checkpoints").iterdir()) == ["2"]  # not 3
     assert not (out / "model").exists()
 
@@ -290,7 +298,7 @@ _TWO_DEVICE_STEP = """
 import json, re, numpy as np, jax
 from flax import nnx
 from jax.sharding import Mesh
-from kubejax.trainer import distributed, train
+from kubejax.trainer import distributed, optimizer
 from kubejax.trainer.config import TrainConfig
 from kubejax.models.bert import BertClassifier, BertConfig
 from kubejax.trainer.steps import make_train_step
@@ -304,7 +312,7 @@ local = {"input_ids": rng.integers(1, 100, (accum, 8, 16)).astype(np.int32),
 out = {}
 for n in (1, 2):
     mesh = Mesh(np.array(jax.devices()[:n]), ("data",))
-    tx = train.make_optimizer(TrainConfig(model="scratch", data_dir="d", output_dir="o"))
+    tx = optimizer.make_optimizer(TrainConfig(model="scratch", data_dir="d", output_dir="o"))
     graphdef, params = nnx.split(BertClassifier(cfg, 5, rngs=nnx.Rngs(0)))
     params = distributed.replicate(params, mesh)
     opt_state = tx.init(params)
@@ -676,12 +684,12 @@ def test_an_error_building_a_model_is_not_called_a_bad_checkpoint(
 ):
     # A model built from scratch has no checkpoint to blame: an error there is the program's
     # (as JAX 0.11's changed cache-write arguments once were) and is raised as it is.
-    from kubejax.trainer import train
+    from kubejax.trainer import model_setup
 
     def broken(*args, **kwargs):
         raise TypeError("an internal error")
 
-    monkeypatch.setattr(train, "BertClassifier", broken)
+    monkeypatch.setattr(model_setup, "BertClassifier", broken)
     scratch = {"hidden_size": 32, "num_hidden_layers": 1, "num_attention_heads": 2}
     flags = {"model": "scratch", "scratch_config": json.dumps(scratch), "tokenizer": minilm_dir}
     with pytest.raises(TypeError, match="an internal error"):

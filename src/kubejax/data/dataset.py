@@ -18,7 +18,8 @@ import numpy as np
 from kubejax.errors import KubejaxError
 
 METADATA_FILE = "metadata.json"
-#: The input pipeline's default bucket_multiple: padded lengths are multiples of it.
+#: The bucket_multiple where none is chosen (serving, the prepare report's marks): padded
+#: lengths are multiples of it. The trainer chooses its own by platform by default.
 DEFAULT_BUCKET_MULTIPLE = 32
 
 #: Evaluation packs reviews of at most this many tokens several to a row of this length.
@@ -164,9 +165,7 @@ def train_batches(
     """Endless (step, local batch) from `start_step` on; batch arrays are
     [accum_steps, micro_batch / process_count, length]. With `answers` (prompts, causal-lm)
     each row's answer follows its prompt (`with_answers`)."""
-    lengths = split.lengths
-    if answers is not None:
-        lengths = lengths + np.array([len(a) for a in answers])[split.labels]
+    lengths = row_lengths(split, answers)
     per_epoch = len(lengths) // global_batch
     micro = global_batch // accum_steps
     local = micro // process_count
@@ -182,6 +181,14 @@ def train_batches(
             batch = gather(split, mine, length)
             yield step, batch if answers is None else with_answers(batch, split, mine, answers)
             step += 1
+
+
+def row_lengths(split: TokenizedSplit, answers: list[list[int]] | None = None) -> np.ndarray:
+    """The tokens each row trains on: its own, and with `answers` (prompts, causal-lm) its
+    label's answer after them."""
+    if answers is None:
+        return split.lengths
+    return split.lengths + np.array([len(a) for a in answers])[split.labels]
 
 
 def _padded_rows(rows: int, batch_size: int, devices: int) -> int:
@@ -404,3 +411,217 @@ def eval_batches(split: TokenizedSplit, answers: list[list[int]] | None, **kwarg
     if answers is None:
         return packed_eval_batches(split, **kwargs)
     return scoring_batches(split, answers, **kwargs)
+
+
+# ---------------------------------------------------------------------------------------------
+# Packed training rows (the `packing` setting): several reviews a row of max_length tokens
+
+
+#: Packing for training puts each review into the first of at most this many open rows with
+#: room for it (first-fit over a window of the shuffled reviews): a wider window fills rows
+#: fuller, and keeps a review further from its shuffled place.
+PACK_WINDOW = 64
+
+
+def first_fit_rows(
+    lengths: np.ndarray, order: np.ndarray, capacity: int, slots: int, window: int = PACK_WINDOW
+) -> list[list[int]]:
+    """Row indices taken in `order` into rows of at most `capacity` tokens and `slots` reviews:
+    each into the first open row with room for it, else a new row; with `window` rows open, the
+    fullest is closed first. Rows come out as they close, then those still open. Every length
+    must be at most `capacity`."""
+    lengths = lengths.tolist()
+    # Tokens an open row can still take (-1: no row there, or its slots are full): one
+    # vectorised look for the first that fits, the rest in plain lists (faster at this size).
+    room = np.full(window, -1, np.int64)
+    left, held = [0] * window, [0] * window
+    members: list[list[int]] = [[] for _ in range(window)]
+    is_open = [False] * window
+    rows: list[list[int]] = []
+    for i in order.tolist():
+        n = lengths[i]
+        k = int(np.argmax(room >= n))
+        if room[k] < n:
+            if not all(is_open):
+                k = is_open.index(False)
+            else:  # close the fullest open row: the least likely to take another review
+                k = min(range(window), key=left.__getitem__)
+                rows.append(members[k])
+            is_open[k], left[k], held[k], members[k] = True, capacity, 0, []
+        left[k] -= n
+        held[k] += 1
+        members[k].append(i)
+        room[k] = left[k] if held[k] < slots else -1
+    rows += [members[k] for k in range(window) if is_open[k]]
+    return rows
+
+
+def real_token_share(
+    lengths: np.ndarray, max_length: int, *, packed: bool, bucket_multiple: int = 0, seed: int = 0
+) -> float:
+    """The share of real tokens in the padded rows that hold reviews of `lengths` (truncated to
+    `max_length`): one review a row padded to max_length (`bucket_multiple` 0) or to its own
+    multiple of `bucket_multiple` (a bound of what length buckets reach), or rows of
+    max_length packed as training packs them (`packed`)."""
+    lengths = np.minimum(lengths, max_length)
+    if packed:
+        order = np.random.default_rng([seed, 0]).permutation(len(lengths))
+        rows = len(first_fit_rows(lengths, order, max_length, max_length))
+        return float(lengths.sum() / (rows * max_length))
+    if bucket_multiple:
+        padded = np.minimum(-(-lengths // bucket_multiple) * bucket_multiple, max_length)
+        return float(lengths.sum() / padded.sum())
+    return float(lengths.sum() / (len(lengths) * max_length))
+
+
+class PackedPlan:
+    """Every epoch's packed rows for training, planned identically on every process from the
+    seed, the epoch and the lengths: each epoch's reviews shuffled, then packed first-fit
+    (`first_fit_rows`) into rows of `capacity` tokens and `slots` reviews; its rows shuffled and
+    cut into steps of `global_batch` rows (the last partial step dropped). Epochs differ in
+    their number of steps by the few rows their packings differ by."""
+
+    def __init__(
+        self, lengths: np.ndarray, capacity: int, global_batch: int, seed: int,
+        window: int = PACK_WINDOW,
+    ):  # fmt: skip
+        self.lengths = np.minimum(lengths, capacity)
+        self.capacity, self.global_batch, self.seed, self.window = (
+            capacity, global_batch, seed, window,
+        )  # fmt: skip
+        # The slots: the most reviews a row of epoch 0 holds, rounded up to a power of two (one
+        # compiled shape); later epochs pack to at most that many. Epoch 0 packed with that
+        # bound is the same packing (it never binds there), so it is kept.
+        rows, rng = self._pack(0, capacity)
+        self.slots = 1 << (max(map(len, rows)) - 1).bit_length()
+        #: epoch 0's rows, and the share of their tokens that are real (not padding)
+        self.rows = len(rows)
+        self.real_token_share = float(self.lengths.sum() / (len(rows) * capacity))
+        self._epochs = {0: self._steps_of(rows, rng)}
+        self._steps = {0: len(self._epochs[0])}
+
+    def _pack(self, epoch: int, slots: int) -> tuple[list[list[int]], np.random.Generator]:
+        rng = np.random.default_rng([self.seed, epoch])
+        order = rng.permutation(len(self.lengths))
+        return first_fit_rows(self.lengths, order, self.capacity, slots, self.window), rng
+
+    def _steps_of(self, rows: list[list[int]], rng: np.random.Generator) -> np.ndarray:
+        table = np.full((len(rows), self.slots), -1, np.int64)
+        for r, members in enumerate(rows):
+            table[r, : len(members)] = members
+        table = table[rng.permutation(len(rows))]
+        steps = len(rows) // self.global_batch
+        return table[: steps * self.global_batch].reshape(steps, self.global_batch, self.slots)
+
+    def epoch(self, epoch: int) -> np.ndarray:
+        """Review indices of one epoch's steps [steps, global_batch, slots], -1 an empty slot."""
+        if epoch not in self._epochs:
+            # Only the latest epoch is kept: the loop moves forward.
+            self._epochs = {epoch: self._steps_of(*self._pack(epoch, self.slots))}
+        return self._epochs[epoch]
+
+    def steps_in(self, epoch: int) -> int:
+        """The steps of one epoch."""
+        if epoch not in self._steps:
+            self._steps[epoch] = len(self.epoch(epoch))
+        return self._steps[epoch]
+
+    def locate(self, step: int) -> tuple[int, int]:
+        """(epoch, index in it) of a step counted from the run's start."""
+        epoch = 0
+        while step >= (n := self.steps_in(epoch)):
+            if n == 0:
+                raise ValueError("an epoch packs into fewer rows than one step's")
+            step -= n
+            epoch += 1
+        return epoch, step
+
+    def total_steps(self, epochs: float) -> int:
+        """The steps of `epochs` epochs (a fraction: of the last one's steps, rounded up)."""
+        whole = int(epochs)
+        steps = sum(self.steps_in(e) for e in range(whole))
+        if epochs > whole:
+            steps += math.ceil((epochs - whole) * self.steps_in(whole))
+        return steps
+
+
+def packed_train_batches(
+    split: TokenizedSplit,
+    plan: PackedPlan,
+    *,
+    accum_steps: int,
+    process_index: int,
+    process_count: int,
+    start_step: int,
+    answers: list[list[int]] | None = None,
+) -> Iterator[tuple[int, dict[str, np.ndarray]]]:
+    """`train_batches` with packed rows (`plan`): endless (step, local batch) from `start_step`
+    on, every array [accum_steps, micro_rows / process_count, ...]: `input_ids`,
+    `attention_mask` (segment ids 1, 2, ... of a row's reviews, 0 for padding) and `positions`
+    (each review's own, from 0) [..., capacity]; per review slot `starts` (its first token),
+    `labels` and `weights` (1 for a review, 0 for an empty slot) [..., slots]. With `answers`
+    (prompts, causal-lm) each review's answer follows its prompt, and `targets`, `target_at`,
+    `target_weights` [..., slots, longest answer] are `with_answers`'s for each slot."""
+    table = lengths = None
+    if answers is not None:
+        table, lengths = answer_table(answers)
+    micro = plan.global_batch // accum_steps
+    local = micro // process_count
+    epoch, index = plan.locate(start_step)
+    step = start_step
+    while True:
+        for rows in plan.epoch(epoch)[index:]:
+            mine = rows.reshape(accum_steps, micro, -1)[
+                :, process_index * local : (process_index + 1) * local
+            ]
+            units = mine.reshape(-1, plan.slots)
+            batch = _packed_rows(split, plan.lengths, units, plan.capacity, table, lengths)
+            yield step, {k: v.reshape(*mine.shape[:2], *v.shape[1:]) for k, v in batch.items()}
+            step += 1
+        epoch, index = epoch + 1, 0
+
+
+def _packed_rows(split, lengths, units, capacity: int, table, answer_lengths) -> dict:
+    """The packed rows of `units` [rows, slots] (review indices, -1 empty): prompts followed by
+    their answers when `table` (answer tokens by label) is given."""
+    size, slots = units.shape
+    ids = np.zeros((size, capacity), np.int32)
+    segments, positions = np.zeros_like(ids), np.zeros_like(ids)
+    starts = np.zeros((size, slots), np.int32)
+    labels = split.labels[np.maximum(units, 0)]
+    longest = 0 if table is None else table.shape[1]
+    target_at = np.zeros((size, slots, longest), np.int32)
+    target_weights = np.zeros((size, slots, longest), np.float32)
+    for r in range(size):
+        at = 0
+        for s in range(slots):
+            i = int(units[r, s])
+            if i < 0:  # a row's reviews fill its first slots
+                break
+            n, first = int(lengths[i]), int(split.offsets[i])
+            if table is None:
+                ids[r, at : at + n] = split.values[first : first + n]
+            else:  # `lengths` count prompt and answer
+                a = int(answer_lengths[labels[r, s]])
+                ids[r, at : at + n - a] = split.values[first : first + n - a]
+                ids[r, at + n - a : at + n] = table[labels[r, s], :a]
+                # Answer token 0 is predicted by the prompt's last token, token j by token j - 1.
+                target_at[r, s, :a] = at + n - a - 1 + np.arange(a)
+                target_weights[r, s, :a] = 1.0
+            segments[r, at : at + n] = s + 1
+            positions[r, at : at + n] = np.arange(n)
+            starts[r, s] = at
+            at += n
+    batch = {
+        "input_ids": ids,
+        "attention_mask": segments,
+        "positions": positions,
+        "starts": starts,
+        "labels": labels,
+        "weights": (units >= 0).astype(np.float32),
+    }
+    if table is not None:
+        batch["targets"] = table[labels]
+        batch["target_at"] = target_at
+        batch["target_weights"] = target_weights
+    return batch

@@ -29,7 +29,7 @@ import numpy as np
 import pandas as pd
 
 from kubejax import report
-from kubejax.data import prompts
+from kubejax.data import dataset, prompts
 from kubejax.data.dataset import DEFAULT_BUCKET_MULTIPLE, METADATA_FILE
 from kubejax.data.prompts import DEFAULT_PROMPT_TEMPLATE
 from kubejax.data.tokenizer import TokenizerError, load_tokenizer, tokenize
@@ -527,7 +527,27 @@ def _tokenize_split(df: pd.DataFrame, split: str, tok, cfg: PrepareConfig, lm, p
         "truncation_rate": float(truncated.mean()),
         "length_histogram": np.histogram(lengths, bins=32, range=(0, cfg.max_length))[0].tolist(),
     }
+    if split == "train":
+        trained = lengths  # the tokens training reads: a prompt's answer follows it
+        if lm:
+            trained = lengths + np.array([len(a) for a in lm["answers"]])[labels]
+        stats["real_token_share"] = padding_figures(trained, cfg.max_length, cfg.seed)
     return table, stats
+
+
+def padding_figures(lengths: np.ndarray, max_length: int, seed: int = 0) -> dict:
+    """The share of real tokens in the rows that hold reviews of `lengths` at `max_length`:
+    one a row padded to max_length (`padded`), to its own length bucket (`bucketed`, the
+    best buckets of DEFAULT_BUCKET_MULTIPLE reach) and packed as the trainer's `packing`
+    packs them (`packed`)."""
+    share = dataset.real_token_share
+    return {
+        "padded": share(lengths, max_length, packed=False),
+        "bucketed": share(
+            lengths, max_length, packed=False, bucket_multiple=DEFAULT_BUCKET_MULTIPLE
+        ),
+        "packed": share(lengths, max_length, packed=True, seed=seed),
+    }
 
 
 def check_output_dir(out_dir: Path) -> None:
@@ -588,10 +608,38 @@ def write_report(metadata: dict, path: str | Path) -> None:
         f"</code> ({metadata.get('tokenizer_engine', 'tokenizers')}), max_length "
         f"{metadata['max_length']}. Dropped: {metadata['dropped'] or 'none'}.</p>",
         report.table(rows),
+        *_padding_section(metadata),
         *(report.svg(fig) for fig in figures.values()),
     ]
     report.close(figures.values())
     Path(path).write_text(report.page("Dataset report", sections))
+
+
+def _padding_section(metadata: dict) -> list[str]:
+    """The real-token share of the training rows with and without packing (datasets prepared
+    before it was measured have none)."""
+    share = metadata["splits"]["train"].get("real_token_share")
+    if not share:
+        return []
+    rows = [
+        {"training rows": "one review a row, padded to max_length", "real tokens": share["padded"]},
+        {
+            "training rows": f"one review a row, in length buckets of {DEFAULT_BUCKET_MULTIPLE} "
+            "(at best)",
+            "real tokens": share["bucketed"],
+        },
+        {
+            "training rows": "reviews packed in rows of max_length (packing)",
+            "real tokens": share["packed"],
+        },
+    ]
+    for row in rows:
+        row["real tokens"] = f"{row['real tokens']:.1%}"
+    return [
+        f"<p>Real tokens in the training rows at max_length {metadata['max_length']}, the rest "
+        "padding: what the trainer's <code>packing</code> setting saves.</p>",
+        report.table(rows),
+    ]
 
 
 def dataset_figures(metadata: dict) -> dict:

@@ -46,6 +46,7 @@ def use_user_dir() -> Path | None:
         jax.config.update("jax_compilation_cache_dir", str(path))
         folder = str(path)
     cache_every_program()
+    count_lookups()
     return Path(folder)
 
 
@@ -115,3 +116,38 @@ def _every_cpu_process_writes_the_cache() -> None:
 
 #: The arguments of JAX's `_cache_write` that `_every_cpu_process_writes_the_cache` reads.
 _CACHE_WRITE_ARGS = {"cache_key", "compile_time_secs", "module_name", "backend", "executable"}
+
+
+#: Programs this process found in the persistent cache, and those it compiled (JAX's
+#: monitoring events, counted from `count_lookups` on).
+LOOKUPS = {"hits": 0, "misses": 0}
+_EVENTS = {
+    "/jax/compilation_cache/cache_hits": "hits",
+    "/jax/compilation_cache/cache_misses": "misses",
+}
+
+
+def count_lookups() -> None:
+    """Count this process's persistent-cache hits and misses in `LOOKUPS` (once): a sweep
+    trial whose programs are another trial's says so after its first step."""
+    import jax
+
+    if getattr(count_lookups, "listening", False):
+        return
+
+    def listen(event: str, **_) -> None:
+        if event in _EVENTS:
+            LOOKUPS[_EVENTS[event]] += 1
+
+    jax.monitoring.register_event_listener(listen)
+    count_lookups.listening = True
+
+
+def lookups_said() -> str:
+    """The counts so far, as the trainer says them: "compilation cache: 3 hits, 1 miss"."""
+    if not getattr(count_lookups, "listening", False):
+        return "no compilation cache"
+    hits, misses = LOOKUPS["hits"], LOOKUPS["misses"]
+    if not hits + misses:
+        return "compilation cache: no lookup"
+    return f"compilation cache: {hits} hit{'s' * (hits != 1)}, {misses} miss{'es' * (misses != 1)}"

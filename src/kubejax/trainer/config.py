@@ -28,6 +28,8 @@ OPTIMIZER_SETTINGS = {
 }
 DTYPES = ("float32", "bfloat16")
 REMATS = ("none", "minimal", "full")
+#: The `attention` implementations (`kubejax.models.attention`).
+ATTENTIONS = ("auto", "xla", "chunked", "splash", "cudnn")
 PEFTS = ("none", "lora", "qlora")
 QTYPES = ("nf4", "int8")
 #: Training tasks: a classification head, or a decoder writing each label's answer.
@@ -71,6 +73,19 @@ class TrainConfig:
         "none",
         "decoders' activation checkpointing: none, minimal (keep the projections' outputs, "
         "recompute attention and the rest) or full (keep each layer's input only)",
+    )
+    attention: str = _f(
+        "auto",
+        "decoders' attention: auto (by platform and length: splash on a TPU, cudnn on an "
+        "NVIDIA GPU where its masks serve, chunked on long sequences, else xla), xla (the "
+        "reference: every layer's scores kept for the backward pass), chunked (a block of "
+        "queries at a time, its scores recomputed in the backward pass), splash (Pallas splash "
+        "attention, TPU) or cudnn (cuDNN flash attention, NVIDIA GPU)",
+    )
+    attention_block: int = _f(
+        0,
+        "tokens per block of splash and chunked attention (splash: a multiple of 128 dividing "
+        "max_length); 0 = 512, or the whole sequence when shorter",
     )
     param_dtype: str = _f(
         "float32",
@@ -140,7 +155,20 @@ class TrainConfig:
     seed: int = _f(0, "seed of initialisation, data order and dropout")
     dtype: str = _f("float32", "compute dtype: float32 or bfloat16 (parameters stay float32)")
     max_length: int = _f(512, "longest padded sequence fed to the model")
-    bucket_multiple: int = _f(32, "padded lengths are multiples of this (bounds compiled shapes)")
+    bucket_multiple: int = _f(
+        0,
+        "padded lengths are multiples of this (bounds compiled shapes); 0 = auto: by platform, "
+        "the multiple (32, 64, ... up to one shape) whose compiles and padding cost least for "
+        "the training split's lengths (a compile costs seconds on CPU, ~20 s on TPU); the "
+        "choice is said in the trainer's first line",
+    )
+    packing: bool = _f(
+        False,
+        "training rows of max_length tokens, each packed with several reviews (each with its "
+        "own positions, attending to itself only; the loss is the mean over the step's "
+        "reviews, as unpacked); global_batch_size then counts rows and an epoch's steps come "
+        "from its packed rows; off: one review a row, padded to its length bucket",
+    )
     eval_every: int = _f(0, "evaluate on validation every N steps; 0 = at the end only")
     eval_batch_size: int = _f(64, "examples per evaluation batch, over all processes")
     max_eval_examples: int = _f(0, "cap on validation examples per evaluation; 0 = all")
@@ -209,7 +237,7 @@ class TrainConfig:
             "log_every",
             "coordinator_timeout",
         )
-        for name in (*positive, "bucket_multiple", "keep_checkpoints", "max_length"):
+        for name in (*positive, "keep_checkpoints", "max_length"):
             if getattr(self, name) < 1:
                 raise ConfigError(f"{name}: must be at least 1, got {getattr(self, name)}")
         for name in (
@@ -218,6 +246,7 @@ class TrainConfig:
             "checkpoint_every",
             "num_labels",
             "max_micro_batch",
+            "bucket_multiple",
         ):
             if getattr(self, name) < 0:
                 raise ConfigError(f"{name}: must be 0 or more, got {getattr(self, name)}")
@@ -252,10 +281,18 @@ class TrainConfig:
             raise ConfigError(
                 f"param_dtype: {self.param_dtype!r} is not one of {', '.join(DTYPES)}"
             )
+        if self.attention not in ATTENTIONS:
+            raise ConfigError(
+                f"attention: {self.attention!r} is not one of {', '.join(ATTENTIONS)}"
+            )
+        if self.attention_block < 0:
+            raise ConfigError(f"attention_block: must be 0 or more, got {self.attention_block}")
         if self.remat not in REMATS:
             raise ConfigError(f"remat: {self.remat!r} is not one of {', '.join(REMATS)}")
         if self.device_memory:
-            parse_bytes(self.device_memory)
+            from kubejax import tpu
+
+            tpu.chip_memory(self.device_memory) or parse_bytes(self.device_memory)
         if self.peft not in PEFTS:
             raise ConfigError(f"peft: {self.peft!r} is not one of {', '.join(PEFTS)}")
         if self.weight_qtype not in QTYPES:
@@ -340,10 +377,16 @@ _UNITS = {"": 1, "B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12,
 
 
 def parse_bytes(text: str) -> int:
-    """`80GiB`, `24GB`, `512MiB` or a plain number of bytes (the `device_memory` setting)."""
+    """`80GiB`, `24GB`, `512MiB` or a plain number of bytes (the `device_memory` setting; a TPU
+    type there is read by `kubejax.tpu.chip_memory` first)."""
     m = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([KMGT]I?B|B)?\s*", text.upper())
     if not m:
-        raise ConfigError(f"device_memory: {text!r} is not a size such as 80GiB, 24GB or 512MiB")
+        from kubejax import tpu
+
+        raise ConfigError(
+            f"device_memory: {text!r} is neither a size such as 80GiB, 24GB or 512MiB nor a "
+            f"TPU type ({tpu.known_types()})"
+        )
     return int(float(m[1]) * _UNITS[m[2] or ""])
 
 

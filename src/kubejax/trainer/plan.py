@@ -19,9 +19,10 @@ import re
 
 import jax
 
+from kubejax import tpu
 from kubejax.errors import InfeasibleError
-from kubejax.models import weights
-from kubejax.models.partitioning import logical_tree
+from kubejax.models import attention, weights
+from kubejax.models.partitioning import is_matrix, logical_tree, path_name
 from kubejax.trainer import sharding
 from kubejax.trainer.config import ConfigError, TrainConfig, parse_bytes
 
@@ -47,20 +48,61 @@ def gpu_memory(product: str) -> int | None:
 JAX_MEMORY_FRACTION = 0.75
 
 
+#: GKE's node label naming a TPU slice's type (`kubejax.tpu`).
+TPU_SELECTOR = "cloud.google.com/gke-tpu-accelerator"
+
+
 def device_memory_of(cfg: TrainConfig, node_selector: dict | None = None) -> int | None:
-    """The memory the plan checks against: the `device_memory` setting (what a device can
-    use), else the GPU of the pods' node selector (`nvidia.com/gpu.product`) times
-    JAX_MEMORY_FRACTION, else what JAX reports of its first device (a GPU's `bytes_limit`,
-    which is that share already; nothing on CPU)."""
+    """The memory the plan checks against: the `device_memory` setting (a size such as 80GiB,
+    or a TPU type: tpu-v5-lite-podslice, v5e, ...), else the accelerator of the pods' node
+    selector (a GPU's `nvidia.com/gpu.product` times JAX_MEMORY_FRACTION; a TPU slice's
+    `cloud.google.com/gke-tpu-accelerator`: one chip's HBM), else what JAX reports of its first
+    device (a GPU's or TPU's `bytes_limit`, the chip's table figure where it reports none;
+    nothing on CPU)."""
     if cfg.device_memory:
-        return parse_bytes(cfg.device_memory)
-    product = (node_selector or {}).get("nvidia.com/gpu.product")
+        return _memory_setting(cfg.device_memory)
+    selector = node_selector or {}
+    if selector.get(TPU_SELECTOR):
+        return _tpu_memory(selector[TPU_SELECTOR], TPU_SELECTOR)
+    product = selector.get("nvidia.com/gpu.product")
     if product:
         memory = gpu_memory(product)
         return None if memory is None else int(memory * JAX_MEMORY_FRACTION)
-    if node_selector is None and jax.devices()[0].platform == "gpu":
-        return (jax.devices()[0].memory_stats() or {}).get("bytes_limit")
+    if node_selector is None and jax.devices()[0].platform in ("gpu", "tpu"):
+        device = jax.devices()[0]
+        limit = (device.memory_stats() or {}).get("bytes_limit")
+        return limit or tpu.chip_memory(device.device_kind)
     return None
+
+
+def _memory_setting(text: str) -> int:
+    """`device_memory`: a size, or a TPU type (one chip's memory)."""
+    return tpu.chip_memory(text) or parse_bytes(text)
+
+
+def _tpu_memory(name: str, setting: str) -> int:
+    memory = tpu.chip_memory(name)
+    if memory is None:
+        raise ConfigError(f"{setting}: {name!r} is not a TPU type ({tpu.known_types()})")
+    return memory
+
+
+def platform_of(
+    cfg: TrainConfig, node_selector: dict | None = None, devices_per_worker: int = 0
+) -> str:
+    """Where the run's devices are: "tpu", "gpu" or "cpu", from the node selector, the pods'
+    accelerator count or the `device_memory` setting (a TPU type); with neither a selector nor
+    a count, this process's first device's."""
+    selector = node_selector or {}
+    if selector.get(TPU_SELECTOR) or (
+        cfg.device_memory and tpu.chip_memory(cfg.device_memory) is not None
+    ):
+        return "tpu"
+    if selector.get("nvidia.com/gpu.product") or devices_per_worker > 0:
+        return "gpu"
+    if node_selector is not None:
+        return "cpu"
+    return jax.devices()[0].platform
 
 
 def human(n: float) -> str:
@@ -141,16 +183,22 @@ def plan_memory(
     devices: int,
     device_memory: int | None = None,
     params=None,
+    platform: str = "cpu",
 ) -> MemoryPlan:
-    """The plan of `cfg` (mesh, batch, dtypes, remat, optimizer) on `devices` devices
-    (`params`: the model's `abstract_params`, when already at hand)."""
+    """The plan of `cfg` (mesh, batch, dtypes, remat, attention, optimizer) on `devices`
+    devices of `platform` (`params`: the model's `abstract_params`, when already at hand)."""
     sizes = sharding.parse_mesh(cfg.mesh, devices)
     if params is None:
         params = abstract_params(model_cfg, cfg.task or "classification", num_labels)
     shards = _shard_counts(params, sizes)
     pbytes = 2 if cfg.param_dtype == "bfloat16" else 4
-    elems = [(x.size // n, x.ndim) for x, n in zip(jax.tree.leaves(params), shards, strict=True)]
-    held = sum(e * (pbytes if nd >= 2 else 4) for e, nd in elems)
+    # (elements on a device, whether a matrix: `param_dtype`, else float32) of each parameter.
+    flat = jax.tree_util.tree_flatten_with_path(params)[0]
+    elems = [
+        (x.size // n, is_matrix(path_name(path), x.ndim))
+        for (path, x), n in zip(flat, shards, strict=True)
+    ]
+    held = sum(e * (pbytes if matrix else 4) for e, matrix in elems)
     if cfg.peft == "qlora":  # the projections' codes and block scales in place of the kernels
         held -= _quantized_saving(cfg, model_cfg, params, shards, pbytes)
     # What trains: everything, or LoRA's adapters (replicated, float32, added to what is held)
@@ -160,7 +208,7 @@ def plan_memory(
         adapters, head = _lora_elements(cfg, model_cfg, params)
         held += sum(e * 4 for e, _ in adapters)
         trains = adapters + head
-    trained = sum(e * (pbytes if nd >= 2 and cfg.peft == "none" else 4) for e, nd in trains)
+    trained = sum(e * (pbytes if mx and cfg.peft == "none" else 4) for e, mx in trains)
     batch_devices = sizes["data"] * sizes["fsdp"]
     micro = cfg.global_batch_size // cfg.grad_accum_steps // batch_devices
     return MemoryPlan(
@@ -170,8 +218,10 @@ def plan_memory(
         params=held,
         # The accumulation's running sum beside each micro-batch's gradients.
         grads=trained * (2 if cfg.grad_accum_steps > 1 else 1),
-        optimizer=sum(_moment_elements(cfg, e, nd) * 4 for e, nd in trains),
-        activations=_activations(cfg, model_cfg, sizes, micro),
+        optimizer=sum(_moment_elements(cfg, e, mx) * 4 for e, mx in trains),
+        activations=_activations(
+            cfg, model_cfg, sizes, micro, attention_of(cfg, model_cfg, platform)
+        ),
         gathered=_gathered(params, shards, sizes, pbytes, cfg),
         device_memory=device_memory,
     )
@@ -186,7 +236,8 @@ def _quantized_saving(cfg: TrainConfig, model_cfg, params, shards: list[int], pb
     saved = 0
     for (name, x), n in zip(_kernels(model_cfg, params), shards, strict=True):
         if name:
-            scales = x.shape[0] // block_size(x.shape[0]) * x.shape[1] * 4
+            *lead, n_in, n_out = x.shape
+            scales = math.prod(lead) * n_in // block_size(n_in) * n_out * 4
             saved += int((x.size * (pbytes - code) - scales) // n)
     return saved
 
@@ -217,9 +268,12 @@ def _lora_elements(cfg: TrainConfig, model_cfg, params) -> tuple[list, list]:
     flat = jax.tree_util.tree_flatten_with_path(params)[0]
     for (path, x), (name, _) in zip(flat, _kernels(model_cfg, params), strict=True):
         if set(path_name(path).split(".")) & set(TRAINED_HEADS):
-            head.append((x.size, x.ndim))
-        elif name in names:
-            adapters += [(x.shape[0] * cfg.lora_rank, 2), (cfg.lora_rank * x.shape[1], 2)]
+            head.append((x.size, is_matrix(path_name(path), x.ndim)))
+        elif name in names:  # a stacked decoder's kernel [layers, in, out]: an adapter a layer
+            *lead, n_in, n_out = x.shape
+            stack = math.prod(lead)
+            rank = cfg.lora_rank
+            adapters += [(stack * n_in * rank, True), (stack * rank * n_out, True)]
     return adapters, head
 
 
@@ -236,7 +290,7 @@ def _shard_counts(params, sizes: dict[str, int]) -> list[int]:
     return counts
 
 
-def _moment_elements(cfg: TrainConfig, elements: int, ndim: int) -> int:
+def _moment_elements(cfg: TrainConfig, elements: int, matrix: bool) -> int:
     """float32 values the optimizer keeps for a parameter shard of `elements`."""
     if cfg.optimizer == "adamw":
         return 2 * elements
@@ -245,14 +299,59 @@ def _moment_elements(cfg: TrainConfig, elements: int, ndim: int) -> int:
     if cfg.optimizer == "sgd":
         return 0 if cfg.momentum == 0 else elements
     # Adafactor: a matrix's row and column statistics (≈ 2·√elements), a vector's own.
-    return 2 * math.isqrt(elements) if ndim >= 2 else elements
+    return 2 * math.isqrt(elements) if matrix else elements
 
 
-def _activations(cfg: TrainConfig, model_cfg, sizes: dict[str, int], micro: int) -> int:
-    """What the backward pass keeps of one micro-batch on one device: per token and layer,
-    the inputs of every product and norm, the attention's float32 scores and probabilities
-    (heads × length), the MLP's intermediates; with `remat` only the projections' outputs
-    (`minimal`) or each layer's input (`full`), plus one layer's worth being recomputed."""
+def attention_of(cfg: TrainConfig, model_cfg, platform: str) -> attention.Spec:
+    """The attention the run takes on `platform` (`attention.choose`; BERT's is the
+    reference); AttentionError becomes the setting's ConfigError."""
+    return _attention(cfg, model_cfg, platform)[0]
+
+
+def attention_reason(cfg: TrainConfig, model_cfg, platform: str | None = None) -> str:
+    """Why `auto` takes the attention it takes (on this process's platform by default)."""
+    return _attention(cfg, model_cfg, platform or jax.devices()[0].platform)[1]
+
+
+def _attention(cfg: TrainConfig, model_cfg, platform: str) -> tuple[attention.Spec, str]:
+    if not weights.is_decoder(model_cfg):
+        if cfg.attention not in ("auto", "xla"):
+            raise ConfigError(
+                f"attention: {cfg.attention} applies to decoder models; BERT computes the "
+                "reference attention (auto or xla)"
+            )
+        return attention.Spec("xla"), "BERT"
+    try:
+        return attention.choose(
+            cfg.attention,
+            platform,
+            cfg.max_length,
+            packing=getattr(cfg, "packing", False),
+            dtype=cfg.dtype,
+            head_dim=model_cfg.head_dim,
+            block=cfg.attention_block,
+        )
+    except attention.AttentionError as err:
+        raise ConfigError(str(err)) from err
+
+
+#: One layer's working set while its backward pass runs (its recomputation, the gradients of
+#: its intermediates in float32), in multiples of what an unrecomputed layer keeps: fitted to
+#: XLA's memory analysis of the TPU v5e's compiled steps (Qwen2.5-0.5B and Llama-3.2-1B shapes,
+#: LoRA and full, each remat; bench/NOTES.md, attempt T3).
+WORKING_LAYERS = 3
+
+
+def _activations(
+    cfg: TrainConfig, model_cfg, sizes: dict[str, int], micro: int, spec: attention.Spec
+) -> int:
+    """What the backward pass holds of one micro-batch on one device. A decoder's scanned
+    layers keep, per token and layer, what `remat`'s policy saves: `none` and `minimal` the
+    layer's input, every projection's output and the attention's (its context; splash's and
+    cuDNN's softmax statistics; `none` with the reference attention also its float32 scores),
+    `full` the layer's input alone; beside them one layer's working set (`WORKING_LAYERS`; the
+    reference attention's scores and probabilities of that layer; the blocked path's one
+    block). BERT (unrolled, no remat) keeps the inputs of every product and norm."""
     t = sizes["tensor"]
     h, layers, n = model_cfg.hidden_size, model_cfg.num_hidden_layers, cfg.max_length
     heads = model_cfg.num_attention_heads
@@ -260,47 +359,58 @@ def _activations(cfg: TrainConfig, model_cfg, sizes: dict[str, int], micro: int)
     q = heads * head_dim // t
     kv = getattr(model_cfg, "num_key_value_heads", heads) * head_dim // t
     m = model_cfg.intermediate_size // t
-    gated = hasattr(model_cfg, "num_key_value_heads")  # decoders: gate · up
-    scores = 2 * heads // t * n * 4  # float32 scores and probabilities, per query token
-    elems = 6 * h + 3 * q + 3 * kv + (4 if gated else 2) * m
-    if sizes["fsdp"] > 1:
-        # Each weight's gradient shard is computed from its input re-laid across the fsdp
-        # devices: a second copy of the products' inputs (measured on XLA's CPU compiler).
-        elems += 2 * h + q + m
     cbytes = 2 if cfg.dtype == "bfloat16" else 4
-    layer = elems * cbytes + scores
+    tokens = micro * n
+    impl = spec.implementation
+    scores = heads // t * n * 4  # one query's float32 scores over every key
+    if not weights.is_decoder(model_cfg):
+        layer = (6 * h + 3 * q + 3 * kv + 2 * m) * cbytes + 2 * scores
+        return tokens * (layers * layer + 2 * h * cbytes)
+    elems = 6 * h + 3 * q + 3 * kv + 4 * m
+    stats = heads // t * 4 if impl in ("splash", "cudnn") else 0  # the log-sum-exp, float32
     kept = {
-        "none": layer,
-        "minimal": (2 * h + q + 2 * kv + (2 if gated else 1) * m) * cbytes,
+        "none": (3 * h + 2 * q + 2 * kv + 2 * m) * cbytes
+        + stats
+        + (scores if impl == "xla" else 0),
+        "minimal": (3 * h + 2 * q + 2 * kv + 2 * m) * cbytes + stats,
         "full": h * cbytes,
     }[cfg.remat]
-    tokens = micro * n
-    recomputed = 0 if cfg.remat == "none" else layer
+    working = WORKING_LAYERS * (elems * cbytes + (scores if impl == "xla" else 0))
+    # The blocked path holds one block's scores, probabilities and their gradient at a time.
+    block = micro * heads // t * min(spec.block, n) * n * 10 if impl == "chunked" else 0
     # The embeddings' output and the final norm's, beside the layers.
-    return tokens * (layers * kept + recomputed + 2 * h * cbytes)
+    return tokens * (layers * kept + working + 2 * h * cbytes) + block
 
 
 def _gathered(params, shards: list[int], sizes, pbytes: int, cfg: TrainConfig) -> int:
     """FSDP gathers each layer's weights for its products and holds the layer's whole gradient
     before reducing it to shards: two copies of the largest layer (or the embedding table), one
-    under LoRA (the frozen base has no gradient); bfloat16 weights are updated through a float32
-    copy of each shard."""
-    from kubejax.models.partitioning import path_name
-
+    under LoRA (the frozen base has no gradient); bfloat16 weights' update writes new weights
+    beside the old ones (its float32 arithmetic fused, measured on the TPU v5e)."""
     out = 0
     flat = jax.tree_util.tree_flatten_with_path(params)[0]
     if sizes["fsdp"] > 1:
         groups: dict[str, int] = {}
         for (path, x), n in zip(flat, shards, strict=True):
             name = path_name(path)
-            layer = re.match(r".*?layers?\.\d+\.", name)
+            # One layer's weights: BERT's `layers.3.`, or a slice of the decoder's stacked
+            # `model.layers.` (one layer at a time is gathered).
+            layer = re.match(r".*?layers?\.(\d+\.)?", name)
             key = layer[0] if layer else name
-            whole = x.size // n * (sizes["fsdp"] if n % sizes["fsdp"] == 0 and n > 1 else 1)
-            groups[key] = groups.get(key, 0) + whole * (pbytes if x.ndim >= 2 else 4)
+            stacked = layer is not None and not layer[1] and x.ndim >= 1
+            size = x.size // x.shape[0] if stacked else x.size
+            whole = size // n * (sizes["fsdp"] if n % sizes["fsdp"] == 0 and n > 1 else 1)
+            matrix = is_matrix(name, x.ndim)
+            groups[key] = groups.get(key, 0) + whole * (pbytes if matrix else 4)
         # Under LoRA the gathered base takes no gradient: one copy.
         out += (2 if cfg.peft == "none" else 1) * max(groups.values())
     if cfg.param_dtype == "bfloat16" and cfg.peft == "none":
-        out += sum(x.size // n * 4 for (_, x), n in zip(flat, shards, strict=True) if x.ndim >= 2)
+        # The update's new weights beside the old (bfloat16), before they replace them.
+        out += sum(
+            x.size // n * pbytes
+            for (path, x), n in zip(flat, shards, strict=True)
+            if is_matrix(path_name(path), x.ndim)
+        )
     return out
 
 
@@ -308,12 +418,53 @@ def _divisors(n: int) -> list[int]:
     return [d for d in range(1, n + 1) if n % d == 0]
 
 
+#: What the plan may suggest beyond the mesh and the micro-batch, in the order it tries them,
+#: one alone and then together: the setting and its value (the attention's: a memory-efficient
+#: one the platform runs, `_remedies`).
+REMEDIES = (
+    ("attention", None),
+    ("remat", "minimal"),
+    ("remat", "full"),
+    ("param_dtype", "bfloat16"),
+    ("peft", "lora"),
+)
+
+
+def _remedies(cfg: TrainConfig, model_cfg, platform: str) -> list[tuple[str, object]]:
+    """The `REMEDIES` that change something for `cfg` (never a setting it already has, nor
+    one that would keep more than it does)."""
+    decoder = weights.is_decoder(model_cfg)
+    order = ("none", "minimal", "full")
+    out = []
+    for setting, value in REMEDIES:
+        if setting == "attention":
+            # The reference keeps every layer's scores: a memory-efficient one instead.
+            if not decoder or attention_of(cfg, model_cfg, platform).implementation != "xla":
+                continue
+            auto = attention_of(dataclasses.replace(cfg, attention="auto"), model_cfg, platform)
+            value = auto.implementation if auto.implementation != "xla" else "chunked"
+        elif setting == "remat":
+            if not decoder or order.index(value) <= order.index(cfg.remat):
+                continue
+        elif (setting == "peft" and cfg.peft != "none") or getattr(cfg, setting) == value:
+            continue
+        out.append((setting, value))
+    return out
+
+
 def smallest_fit(
-    cfg: TrainConfig, model_cfg, num_labels: int, devices: int, device_memory: int
-) -> tuple[str, int, MemoryPlan] | None:
-    """The largest micro-batch (fewest accumulation steps) that fits with some mesh, and for
-    it the least sharding (fsdp before tensor): (mesh, grad_accum_steps, plan), or None when
-    nothing on `devices` devices fits."""
+    cfg: TrainConfig,
+    model_cfg,
+    num_labels: int,
+    devices: int,
+    device_memory: int,
+    platform: str = "cpu",
+) -> list[tuple[dict, MemoryPlan]]:
+    """Up to two ways to fit on `devices` devices, each changing as little as can be: the mesh
+    and the micro-batch alone (the largest micro-batch, the least sharding: fsdp before
+    tensor); and one of `REMEDIES` alone, or several together in their order, at the run's own
+    micro-batch where that fits. Each is (the changed settings, their plan); empty when
+    nothing fits."""
     params = abstract_params(model_cfg, cfg.task or "classification", num_labels)
     tensors = []
     for tensor in _divisors(devices):
@@ -322,34 +473,74 @@ def smallest_fit(
             tensors.append(tensor)
         except sharding.MeshError:
             pass
-    for accum in _divisors(cfg.global_batch_size):
-        for tensor in tensors:
-            if (cfg.global_batch_size // accum) % (devices // tensor):
-                continue
-            for fsdp in _divisors(devices // tensor):
-                mesh = f"data={devices // tensor // fsdp},fsdp={fsdp},tensor={tensor}"
-                trial = dataclasses.replace(cfg, mesh=mesh, grad_accum_steps=accum)
-                plan = plan_memory(trial, model_cfg, num_labels, devices, device_memory, params)
-                if plan.fits:
-                    return mesh, accum, plan
-    return None
+
+    def search(changes: dict, accums) -> tuple[dict, MemoryPlan] | None:
+        base = dataclasses.replace(cfg, **changes)
+        for accum in accums:
+            for tensor in tensors:
+                if (cfg.global_batch_size // accum) % (devices // tensor):
+                    continue
+                for fsdp in _divisors(devices // tensor):
+                    mesh = f"data={devices // tensor // fsdp},fsdp={fsdp},tensor={tensor}"
+                    trial = dataclasses.replace(base, mesh=mesh, grad_accum_steps=accum)
+                    plan = plan_memory(
+                        trial, model_cfg, num_labels, devices, device_memory, params, platform
+                    )
+                    if plan.fits:
+                        found = {**changes, "mesh": mesh, "grad_accum_steps": accum}
+                        changed = {k: v for k, v in found.items() if _differs(cfg, k, v, devices)}
+                        return changed, plan
+        return None
+
+    options = []
+    smaller = search({}, _divisors(cfg.global_batch_size))
+    if smaller:
+        options.append(smaller)
+    remedies = _remedies(cfg, model_cfg, platform)
+    candidates = [{k: v} for k, v in remedies]
+    candidates += [dict(remedies[: i + 1]) for i in range(1, len(remedies))]
+    for accums in ([cfg.grad_accum_steps], _divisors(cfg.global_batch_size)):
+        found = next((f for c in candidates if (f := search(c, accums))), None)
+        if found:
+            if not options or found[0] != options[0][0]:
+                options.append(found)
+            break
+    return options
+
+
+def _differs(cfg: TrainConfig, setting: str, value, devices: int) -> bool:
+    """Whether `value` of `setting` is a change for `cfg` (a mesh compared by its sizes)."""
+    if setting == "mesh":
+        return sharding.parse_mesh(value, devices) != sharding.parse_mesh(cfg.mesh, devices)
+    return getattr(cfg, setting) != value
 
 
 def check_fits(
-    cfg: TrainConfig, model_cfg, num_labels: int, devices: int, device_memory: int
+    cfg: TrainConfig,
+    model_cfg,
+    num_labels: int,
+    devices: int,
+    device_memory: int,
+    platform: str = "cpu",
 ) -> MemoryPlan:
-    """The plan, or ConfigError naming each figure and the smallest setting that fits."""
-    plan = plan_memory(cfg, model_cfg, num_labels, devices, device_memory)
+    """The plan, or InfeasibleError naming each figure and the least change that fits (never
+    a setting the run already has)."""
+    plan = plan_memory(cfg, model_cfg, num_labels, devices, device_memory, platform=platform)
     if plan.fits:
         return plan
-    fit = smallest_fit(cfg, model_cfg, num_labels, devices, device_memory)
-    advice = (
-        f"fits with mesh={fit[0]} and grad_accum_steps={fit[1]} ({human(fit[2].total)} per device)"
-        if fit
-        else f"no mesh of {devices} devices fits even one row per device: more devices "
-        "(replicas × devices_per_worker), bfloat16 weights (param_dtype), remat or a shorter "
-        "max_length"
-    )
+    fits = smallest_fit(cfg, model_cfg, num_labels, devices, device_memory, platform)
+    if fits:
+        ways = [
+            f"{', '.join(f'{k}={v}' for k, v in changes.items())} ({human(p.total)} per device)"
+            for changes, p in fits
+        ]
+        advice = "fits with " + ", or with ".join(ways)
+    else:
+        tried = [f"{k}={v}" for k, v in _remedies(cfg, model_cfg, platform)]
+        options = ["more devices (replicas × devices_per_worker)", *tried, "a shorter max_length"]
+        advice = (
+            f"nothing on {devices} device(s) fits even one row per device: {', '.join(options)}"
+        )
     raise InfeasibleError(
         f"device_memory: the run needs {human(plan.total)} per device ({plan.figures()}), "
         f"more than the {human(device_memory)} of the device; {advice}"
@@ -401,10 +592,12 @@ def check_job(
         sharding.check_model(model_cfg, sizes)
     except sharding.MeshError as err:
         raise InfeasibleError(str(err)) from err
+    platform = platform_of(cfg, node_selector or {}, devices_per_worker)
+    attention_of(cfg, model_cfg, platform)  # an attention the accelerator cannot run
     if not memory:
         return None, devices
     # The head's size (the labels) is negligible beside the model: Yelp's 5 when not given.
-    return check_fits(cfg, model_cfg, cfg.num_labels or 5, devices, memory), devices
+    return check_fits(cfg, model_cfg, cfg.num_labels or 5, devices, memory, platform), devices
 
 
 def _check_lora(cfg: TrainConfig, model_type: str) -> None:

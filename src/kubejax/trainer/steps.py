@@ -3,6 +3,7 @@ evaluation step. Training, evaluation and the served model all use these."""
 
 from __future__ import annotations
 
+import math
 from functools import partial, wraps
 
 import jax
@@ -15,32 +16,70 @@ from kubejax.models.kernels import matrices_in
 from kubejax.trainer import distributed
 
 
-def loss_fn(graphdef, params, batch, key, deterministic: bool, frozen=None):
-    """Mean cross-entropy over the batch, with the accuracy and the logits: of the labels for a
-    classifier; of the answers' tokens for a language model (`targets`, read at `target_at`),
-    a row counted correct when every token of its answer is the most likely one. `frozen`:
-    the parameters that do not train (LoRA's base), beside `params`."""
+def loss_fn(graphdef, params, batch, key, deterministic: bool, frozen=None, totals=None):
+    """Cross-entropy with the accuracy and the logits: of the labels for a classifier; of the
+    answers' tokens for a language model (`targets`, read at `target_at`), a review counted
+    correct when every token of its answer is the most likely one. `frozen`: the parameters
+    that do not train (LoRA's base), beside `params`.
+
+    Rows hold one review each, or several (packed: `attention_mask` holds segment ids,
+    `positions` each review's own, `weights` 1 for each review slot that holds one). Loss and
+    accuracy are sums over the reviews (the answer tokens for a language model's loss) divided
+    by `totals` (`step_totals`, of this batch by default): a step in pieces passes its whole
+    batch's, so that its pieces' losses and gradients add up to the step's mean over reviews,
+    however many each piece holds."""
     model = nnx.merge(graphdef, params) if frozen is None else nnx.merge(graphdef, params, frozen)
     rngs = None if deterministic else nnx.Rngs(dropout=key)
+    packed = {"positions": batch["positions"]} if "weights" in batch else {}
     if "targets" in batch:
+        at = batch["target_at"]
         logits = model(
             batch["input_ids"],
             batch["attention_mask"],
-            at=batch["target_at"],
+            **packed,
+            at=at.reshape(at.shape[0], -1),
             deterministic=deterministic,
             rngs=rngs,
-        )
+        ).reshape(*at.shape, -1)
         w = batch["target_weights"]
         ce = optax.softmax_cross_entropy_with_integer_labels(logits, batch["targets"])
         wrong = (jnp.argmax(logits, -1) != batch["targets"]) & (w > 0)
         correct = 1.0 - wrong.any(-1).astype(jnp.float32)
-        return (ce * w).sum() / jnp.maximum(w.sum(), 1.0), (correct.mean(), logits)
-    logits = model(
-        batch["input_ids"], batch["attention_mask"], deterministic=deterministic, rngs=rngs
-    )
-    ce = optax.softmax_cross_entropy_with_integer_labels(logits, batch["labels"])
-    correct = (jnp.argmax(logits, -1) == batch["labels"]).astype(jnp.float32)
-    return ce.mean(), (correct.mean(), logits)
+        loss_sum = (ce * w).sum()
+    else:
+        if packed:
+            packed["starts"] = batch["starts"]
+        logits = model(
+            batch["input_ids"],
+            batch["attention_mask"],
+            **packed,
+            deterministic=deterministic,
+            rngs=rngs,
+        )
+        ce = optax.softmax_cross_entropy_with_integer_labels(logits, batch["labels"])
+        correct = (jnp.argmax(logits, -1) == batch["labels"]).astype(jnp.float32)
+        loss_sum = (ce * batch["weights"]).sum() if packed else ce.sum()
+    if packed:
+        correct = correct * batch["weights"]
+    loss_total, reviews = step_totals(batch) if totals is None else totals
+    return loss_sum / loss_total, (correct.sum() / reviews, logits)
+
+
+def step_totals(batch) -> tuple[jax.Array, jax.Array]:
+    """What a batch's loss and accuracy are means over: the answer tokens (a language model)
+    or the reviews for the loss, and the reviews for the accuracy (a packed batch's filled
+    slots, `weights`); each at least 1."""
+    loss_total, reviews = _counts(batch)
+    return jnp.maximum(loss_total, 1.0), jnp.maximum(reviews, 1.0)
+
+
+def _counts(batch) -> tuple[jax.Array, jax.Array]:
+    if "weights" in batch:
+        reviews = batch["weights"].sum()
+    else:
+        per_review = batch["targets"].shape[:-1] if "targets" in batch else batch["labels"].shape
+        reviews = jnp.asarray(math.prod(per_review), jnp.float32)
+    return batch["target_weights"].sum() if "targets" in batch else reviews, reviews
 
 
 #: On CPU, each device's batch goes through the model in pieces of at most this many (padded)
@@ -110,7 +149,9 @@ def make_train_step(
             "loss": loss,
             "accuracy": acc,
             "grad_norm": optax.tree.norm(grads),
-            "tokens": batch["attention_mask"].sum(),
+            # Real tokens (packed rows hold segment ids) and reviews.
+            "tokens": (batch["attention_mask"] > 0).sum(),
+            "examples": step_totals(batch)[1],
         }
         return params, opt_state, metrics
 
@@ -173,7 +214,15 @@ def _data_parallel_gradients(
         # The frozen too: the products' backward rule (`kernels.linear`) gives every kernel a
         # cotangent typed like the varying activations, unused for these.
         frozen = jax.lax.pcast(frozen, axis, to="varying")
-        loss, acc, grads = _gradients(graphdef, params, batch, key, budget, frozen)
+        # Where devices' shares may hold different numbers of reviews or answer tokens (packed
+        # rows, answers), the step's totals over all of them, as each device's share: the mean
+        # over devices (below) of its sums divided by them is the step's mean. Rows of one
+        # review each count the same on every device: each divides by its own.
+        totals = None
+        if "weights" in batch or "targets" in batch:
+            summed = jnp.maximum(jax.lax.psum(jnp.stack(_counts(batch)), axis), 1.0)
+            totals = (summed[0] / mesh.shape[axis], summed[1] / mesh.shape[axis])
+        loss, acc, grads = _gradients(graphdef, params, batch, key, budget, frozen, totals)
         if sparse_embedding is None:
             return jax.lax.pmean((loss, acc, grads), axis)
         paths, treedef = jax.tree_util.tree_flatten_with_path(grads)
@@ -197,24 +246,28 @@ def _data_parallel_gradients(
     return local(params, batch, key, frozen)
 
 
-def _gradients(graphdef, params, batch, key, budget: int, frozen=None):
-    """Mean loss, accuracy and gradients over the micro-batches of [accum, micro, length], each
-    micro-batch in pieces of at most `budget` tokens (0: whole); `frozen` takes none."""
+def _gradients(graphdef, params, batch, key, budget: int, frozen=None, totals=None):
+    """Loss, accuracy and gradients of the step's mean over its reviews (`loss_fn`), from the
+    micro-batches of [accum, micro, length], each micro-batch in pieces of at most `budget`
+    tokens (0: whole); `frozen` takes none. `totals`: what the means divide by (`step_totals`;
+    default: this batch's own)."""
+    totals = step_totals(batch) if totals is None else totals
     accum, size, length = batch["input_ids"].shape
     rows = piece_rows(size, length, budget)
-    # Pieces of equal size, so the mean over pieces is the mean over the micro-batch.
     accum = accum * size // rows
     batch = jax.tree.map(lambda x: x.reshape(accum, rows, *x.shape[2:]), batch)
     grad_fn = jax.value_and_grad(
-        partial(loss_fn, graphdef, deterministic=False, frozen=frozen), has_aux=True
+        partial(loss_fn, graphdef, deterministic=False, frozen=frozen, totals=totals),
+        has_aux=True,
     )
     if accum == 1:
         # No loop: a scan of one would still zero and add a copy of every gradient.
         (loss, (acc, _)), grads = grad_fn(params, jax.tree.map(lambda x: x[0], batch), key)
         return loss, acc, grads
 
-    # The losses and accuracies leave the loop as its outputs, not in its carry: in a
-    # data-parallel step (shard_map) they vary by device, which a zero carry would not.
+    # Each piece's share of the step's mean: they add up. The losses and accuracies leave the
+    # loop as its outputs, not in its carry: in a data-parallel step (shard_map) they vary by
+    # device, which a zero carry would not.
     def micro(grads, xs):
         mb, i = xs
         (mb_loss, (mb_acc, _)), g = grad_fn(params, mb, jax.random.fold_in(key, i))
@@ -222,7 +275,7 @@ def _gradients(graphdef, params, batch, key, budget: int, frozen=None):
 
     zeros = jax.tree.map(jnp.zeros_like, params)
     grads, (loss, acc) = jax.lax.scan(micro, zeros, (batch, jnp.arange(accum)))
-    return loss.mean(), acc.mean(), jax.tree.map(lambda g: g / accum, grads)
+    return loss.sum(), acc.sum(), grads
 
 
 def make_eval_step(graphdef, mesh, frozen=None):

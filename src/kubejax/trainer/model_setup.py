@@ -1,0 +1,193 @@
+"""The model a run trains: the family's classifier or language model from its checkpoint (or
+fresh), checked against the data and the mesh, with LoRA adapters where asked, and split into
+what trains and what stays frozen."""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from kubejax.data import dataset
+from kubejax.models import lora, weights
+from kubejax.models.bert import BertClassifier
+from kubejax.models.kernels import matrices_in
+from kubejax.trainer import distributed, plan, sharding
+from kubejax.trainer.config import ConfigError, TrainConfig
+from kubejax.trainer.inputs import TrainData
+
+
+def build_model(
+    cfg: TrainConfig, data: TrainData, mesh_sizes: dict | None = None, placement=None
+) -> tuple[nnx.Module, Path | None, list]:
+    """The classifier with pretrained weights (or fresh for 'scratch'), its tokenizer folder and
+    the parts initialised fresh; refused when the data's rows are longer than its positions,
+    or when the mesh's tensor axis does not divide its heads or MLP (`mesh_sizes`).
+    `placement`: parameters load straight into these shardings (`sharding.placement`)."""
+    model, tokenizer_dir, fresh = classifier_for(cfg, data.num_labels, mesh_sizes, placement)
+    positions = model.config.max_position_embeddings
+    longest = int(max(data.train.lengths.max(), data.val.lengths.max(initial=0)))
+    multiple = cfg.bucket_multiple or dataset.DEFAULT_BUCKET_MULTIPLE  # 0: not yet chosen
+    padded = dataset.bucket_length(longest, multiple, cfg.max_length)
+    if padded > positions:
+        raise ConfigError(
+            f"max_length: rows of {cfg.data_dir} run to {longest} tokens (padded {padded}), more "
+            f"than the {positions} positions of the model; set max_length to {positions} or "
+            "less (longer rows are truncated) or prepare the data with that max_length"
+        )
+    return model, tokenizer_dir, fresh
+
+
+def classifier_for(
+    cfg: TrainConfig, num_labels: int, mesh_sizes: dict | None = None, placement=None
+) -> tuple[nnx.Module, Path | None, list]:
+    """The model of `cfg.model` for `cfg.task` (pretrained weights, or fresh for 'scratch') in
+    `cfg.dtype` with `cfg.dropout`, its tokenizer folder and the parts initialised fresh."""
+    from safetensors import SafetensorError
+
+    dtype = jnp.bfloat16 if cfg.dtype == "bfloat16" else jnp.float32
+    model_dir = None
+    try:
+        if cfg.model == "scratch":
+            model_cfg = weights.scratch_config(cfg.scratch_config)
+        else:
+            # The config first: the checks below run before any weight is fetched.
+            model_dir = weights.resolve_model_dir(cfg.model, weights=False)
+            model_cfg = weights.load_config(model_dir)
+    except (OSError, RuntimeError, ValueError, TypeError) as err:
+        if cfg.model == "scratch":
+            raise ConfigError(f"scratch_config: {err}") from err
+        raise ConfigError(f"model: {cfg.model}: {err}") from err
+    try:
+        weights.check_task(model_cfg, cfg.task or "classification")
+        if mesh_sizes:
+            sharding.check_model(model_cfg, mesh_sizes)
+    except ValueError as err:
+        raise ConfigError(str(err)) from err
+    platform = jax.devices()[0].platform
+    spec = plan.attention_of(cfg, model_cfg, platform)  # refused here if it cannot run here
+    memory = plan.device_memory_of(cfg) if mesh_sizes else None
+    if memory:  # before any weight is read
+        devices = math.prod(mesh_sizes.values())
+        plan.check_fits(cfg, model_cfg, num_labels, devices, memory, platform)
+    _apply_dropout(cfg, model_cfg)
+    if cfg.remat != "none" and not weights.is_decoder(model_cfg):
+        raise ConfigError(f"remat: {cfg.remat!r} applies to decoder models; BERT trains without")
+    if model_dir is None:
+        model, fresh = _fresh_model(cfg, model_cfg, num_labels, dtype), ["all"]
+    else:
+        try:  # the weights now (a hub id's; a folder is used as it is)
+            model_dir = weights.resolve_model_dir(cfg.model)
+        except (OSError, ValueError, KeyError) as err:  # the hub, or an unreadable index
+            raise ConfigError(f"model: {cfg.model}: {err}") from err
+        # Only the checkpoint's errors are named as such: a tensor missing, or of the wrong
+        # shape or type. (An error of JAX's was once reported as a bad checkpoint.)
+        try:
+            task = cfg.task or "classification"
+            # QLoRA: the projections quantized as they load; in bfloat16 runs the matrices
+            # load in bfloat16. Never the float32 model on a device beside what the plan counts.
+            qtype = cfg.weight_qtype if cfg.peft == "qlora" else ""
+            matrices = jnp.bfloat16 if cfg.param_dtype == "bfloat16" else None
+            model, fresh = weights.from_checkpoint(
+                model_dir, model_cfg, task, num_labels, dtype, cfg.seed, placement, qtype,
+                matrices,
+            )  # fmt: skip
+        except (KeyError, TypeError, ValueError, OSError, SafetensorError) as err:
+            family = "BERT" if model_cfg.model_type == "bert" else model_cfg.model_type
+            unusable = f"model: {cfg.model} is not a usable {family} checkpoint"
+            raise ConfigError(f"{unusable} ({str(err).removeprefix('model: ')})") from err
+    if weights.is_decoder(model_cfg):
+        model.model.remat = cfg.remat
+        model.model.attention = spec
+    if cfg.peft != "none":
+        _add_adapters(cfg, model)
+    tokenizer_dir = Path(cfg.tokenizer) if cfg.tokenizer else model_dir
+    if tokenizer_dir is not None and not tokenizer_dir.is_dir():
+        tokenizer_dir = weights.resolve_model_dir(str(tokenizer_dir), weights=False)
+    return model, tokenizer_dir, fresh
+
+
+def model_choices(cfg: TrainConfig, model) -> list[str]:
+    """What the run's model computes with, for the trainer's first line: a decoder's attention
+    (and why `auto` took it), its scanned layers and remat policy."""
+    if not hasattr(getattr(model, "model", None), "attention"):  # BERT: the reference
+        return []
+    spec = model.model.attention
+    why = "as set" if cfg.attention != "auto" else plan.attention_reason(cfg, model.config)
+    block = f", blocks of {spec.block}" if spec.implementation in ("splash", "chunked") else ""
+    return [
+        f"attention {spec.implementation} ({why}{block})",
+        f"{model.model.num_layers} layers in one scan, remat {cfg.remat}",
+    ]
+
+
+def _add_adapters(cfg: TrainConfig, model) -> None:
+    try:
+        lora.apply(
+            model, cfg.lora_rank, cfg.lora_alpha, cfg.lora_targets, cfg.seed, cfg.lora_dropout
+        )
+        if cfg.peft == "qlora":
+            lora.quantize(model, cfg.weight_qtype)
+    except lora.LoraError as err:
+        raise ConfigError(str(err)) from err
+
+
+def split_trainable(cfg: TrainConfig, model, mesh):
+    """(graphdef, the parameters that train, the frozen ones or None): everything trains in
+    full fine-tuning, in `param_dtype`; under LoRA the adapters and a classifier's head train
+    in float32 and the base stays frozen in `param_dtype`, placed on the mesh (in its shards on
+    a named mesh, else replicated)."""
+    if cfg.peft == "none":
+        graphdef, params = nnx.split(model)
+        return graphdef, matrices_in(params, cfg.param_dtype), None
+    graphdef, params, frozen = nnx.split(model, lora.TRAINABLE, ...)
+    return graphdef, params, _place_frozen(matrices_in(frozen, cfg.param_dtype), mesh)
+
+
+def _place_frozen(frozen, mesh):
+    if sharding.is_sharded(mesh):
+        return jax.device_put(frozen, sharding.param_shardings(frozen, mesh))
+    return distributed.replicate(frozen, mesh)
+
+
+def _apply_dropout(cfg: TrainConfig, model_cfg) -> None:
+    if cfg.dropout is None:
+        return
+    if weights.is_decoder(model_cfg):
+        if cfg.dropout:
+            raise ConfigError(
+                f"dropout: {cfg.dropout}, but decoder models train without dropout (as their "
+                "released configs do); leave it unset or 0"
+            )
+        return
+    model_cfg.hidden_dropout_prob = cfg.dropout
+    model_cfg.attention_probs_dropout_prob = cfg.dropout
+    model_cfg.classifier_dropout = cfg.dropout
+
+
+def _fresh_model(cfg: TrainConfig, model_cfg, num_labels: int, dtype) -> nnx.Module:
+    """A freshly initialised model: a decoder's weights made in one compiled program on the
+    device, its matrices in `param_dtype` there (a classifier's head in float32, as LoRA
+    trains it), never the float32 model beside them nor a copy on the host."""
+    if not weights.is_decoder(model_cfg):
+        return BertClassifier(model_cfg, num_labels, dtype, rngs=nnx.Rngs(cfg.seed))
+    from kubejax.models import decoder_weights
+
+    task = cfg.task or "classification"
+
+    def build():
+        return decoder_weights.build(model_cfg, task, num_labels, dtype, cfg.seed)
+
+    graphdef = nnx.graphdef(nnx.eval_shape(build))
+
+    def weights_in_dtype():
+        state = nnx.state(build())
+        head = {k: v for k, v in state.items() if k == "score"}
+        body = matrices_in(nnx.State({k: v for k, v in state.items() if k != "score"}),
+                           cfg.param_dtype)  # fmt: skip
+        return nnx.State({**body, **head})
+
+    return nnx.merge(graphdef, jax.jit(weights_in_dtype)())
