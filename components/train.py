@@ -29,6 +29,8 @@ def train(
     replicas: int = 1,
     mesh: str = "",
     devices_per_worker: int = 0,
+    accelerator: str = "nvidia",
+    tpu_topology: str = "",
     peft: str = "",
     lora_rank: int = 0,
     lora_alpha: float = 0.0,
@@ -61,13 +63,23 @@ def train(
         base_model: HF hub id or folder to fine-tune.
         hyperparameters: Trainer settings (TrainConfig field → value), e.g. learning_rate.
         best_params: Settings that override `hyperparameters` (the sweep's best params).
-        replicas: Number of the job's workers (processes, pods).
+        replicas: Number of the job's workers (processes, pods); on a TPU, 0 or the slice's
+            hosts.
         mesh: Device mesh over every worker's devices, e.g. "fsdp=-1" (shards parameters and
             optimizer state) or "data=2,fsdp=4,tensor=2"; empty: the trainer's `mesh`
             setting (data-parallel by default). Checked against replicas × devices before
             the job starts.
         devices_per_worker: GPUs of each worker pod (its nvidia.com/gpu limit); 0: as the
-            task's resources say (one CPU device a worker without GPUs).
+            task's resources say (one CPU device a worker without GPUs). On a TPU: the chips
+            of each host (google.com/tpu), 0: the slice's (a v5e or v6e 2x4: 8 on one host,
+            or 4 on two).
+        accelerator: nvidia (GPUs, as devices_per_worker and the task's resources say), cpu
+            (no GPUs) or a GKE TPU type (tpu-v5-lite-podslice, tpu-v5p-slice, tpu-v6e-slice,
+            tpu-v4-podslice): the workers are the hosts of a slice of `tpu_topology`, on
+            kubejax's TPU image (a TrainJob on the `jax-tpu` runtime); no GPUs then.
+        tpu_topology: The TPU slice's topology (2x4, 4x4, 2x2x2, ...; GKE's
+            cloud.google.com/gke-tpu-topology); required with a TPU accelerator. `replicas`
+            must be 0 or its hosts.
         peft: none (full fine-tuning), lora (adapters on a frozen base, decoder or BERT; the
             model is the merged one, its PEFT adapter in the folder's `adapter/`) or qlora
             (LoRA on a base stored quantized, `weight_qtype` nf4 or int8); empty:
@@ -80,7 +92,8 @@ def train(
             wait, suspended, until Kueue admits them; their timeout counts from admission.
             Empty: no queue (Kueue's default LocalQueue, if the namespace has one).
         priority_class: Kueue WorkloadPriorityClass of the job(s); empty: none.
-        image: Image of the worker pods; empty: the kubejax image of this version.
+        image: Image of the worker pods; empty: the kubejax image of this version for the
+            accelerator (its TPU variant on a TPU).
         backend: The engine: `trainjob` (Kubeflow Trainer v2), `jaxjob` (Training Operator
             v1), `kubernetes` (whichever the cluster serves, TrainJob first), `local`, or
             `auto` (kubernetes inside a cluster, else local).

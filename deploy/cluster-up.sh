@@ -79,12 +79,14 @@ if ! $existing; then
 fi
 
 if [ "$engine" = trainer ]; then
-  step "Kubeflow Trainer $TRAINER_VERSION (JobSet included) and its runtimes (jax-distributed)"
+  step "Kubeflow Trainer $TRAINER_VERSION (JobSet included), its runtimes and kubejax's jax-tpu"
   base="https://github.com/kubeflow/trainer.git/manifests/overlays"
   kubectl apply --server-side -k "$base/manager?ref=$TRAINER_VERSION"
   kubectl wait --for=condition=Available deployment --all -n kubeflow-system --timeout=10m
   retry kubectl apply --server-side -k "$base/runtimes?ref=$TRAINER_VERSION"
   kubectl get clustertrainingruntime jax-distributed
+  # kubejax's runtime for TPU slices (GKE); unused, and harmless, on a cluster without TPUs.
+  retry kubectl apply --server-side -f "$here/trainer/jax-tpu.yaml"
 else
   step "Kubeflow Training Operator $TRAINING_OPERATOR_VERSION (JAXJob)"
   kubectl apply --server-side \

@@ -4,14 +4,15 @@
 model when the metric clears a threshold. `train_eval_pipeline`: prepare → train → evaluate,
 the same components without the sweep. Defaults suit a real cluster (the hub dataset, a
 bert-base-size model, GPU workers); `kubejax run --local` overrides them for this machine.
+`accelerator` set to a GKE TPU type (with `tpu_topology`, and the GPU counts at 0) puts the
+workers on TPU slices instead: the launchers derive the node selectors, chips and workers
+(`kubejax.tpu`).
 """
 
 import json
 
 from kfp import dsl, kubernetes
 from kubejax.components import evaluate, prepare_yelp, register_model, train, tune_sweep
-
-from kubejax.version import IMAGE
 
 #: The Kubernetes secret with MLflow credentials (keys `username`, `password`, optional
 #: `token`); mounted as env on the steps that talk to MLflow, never a pipeline parameter.
@@ -71,7 +72,9 @@ def _with_hf_token(task: dsl.PipelineTask) -> dsl.PipelineTask:
 def _gpu_workers(task: dsl.PipelineTask, gpus: int, node_selector, tolerations) -> dsl.PipelineTask:
     # RESOURCES, NODE_SELECTOR and TOLERATIONS are passed through (not applied to the
     # launcher): they land on the job's worker pods. All three are pipeline parameters (0 GPUs
-    # on CPU-only nodes; a GPU node pool's label and taint).
+    # on CPU-only nodes and TPU slices; a GPU node pool's label and taint). A TPU slice's
+    # selectors, chips and toleration come from the launcher (`accelerator`, `tpu_topology`):
+    # they depend on run-time parameters that no compile-time setting here can compute.
     task.set_accelerator_type("nvidia.com/gpu").set_accelerator_limit(gpus)
     kubernetes.add_node_selector_json(task, node_selector)
     kubernetes.add_toleration_json(task, tolerations)
@@ -187,15 +190,18 @@ def yelp_pipeline(
     trial_replicas: int = 1,
     trial_gpus_per_worker: int = 1,
     trial_mesh: str = "",
+    trial_tpu_topology: str = "",
     train_hyperparameters: dict = DEFAULT_TRAIN_HP,
     replicas: int = 2,
     gpus_per_worker: int = 1,
     mesh: str = "",
+    accelerator: str = "nvidia",
+    tpu_topology: str = "",
     worker_node_selector: dict = ANY_NODE,
     worker_tolerations: list = NO_TOLERATIONS,
     queue_name: str = "",
     priority_class: str = "",
-    image: str = IMAGE,
+    image: str = "",
     backend: str = "auto",
     timeout_seconds: int = 86400,
     mlflow_tracking_uri: str = "",
@@ -240,13 +246,23 @@ def yelp_pipeline(
         trial_replicas: Workers per trial (unless search_space has `replicas`).
         trial_gpus_per_worker: nvidia.com/gpu limit of each trial worker (0: CPU only).
         trial_mesh: Device mesh of every trial (see mesh).
+        trial_tpu_topology: The TPU slice of every trial (may be smaller than
+            tpu_topology's); required with a TPU accelerator.
         train_hyperparameters: Trainer settings of the final training (the best params win).
         replicas: Workers of the final training (the sweep's best `replicas` wins when
-            searched).
+            searched, off TPUs); on a TPU, 0 or the slice's hosts.
         gpus_per_worker: nvidia.com/gpu limit of each worker of the final training (0: CPU
             only).
-        mesh: Device mesh of the final training over replicas × gpus_per_worker devices,
-            e.g. "fsdp=-1" to shard parameters and optimizer state; empty: data-parallel.
+        mesh: Device mesh of the final training over replicas × gpus_per_worker devices (a
+            TPU slice's chips), e.g. "fsdp=-1" to shard parameters and optimizer state;
+            empty: data-parallel.
+        accelerator: nvidia (GPU workers, as gpus_per_worker says; CPU with 0), cpu, or a GKE
+            TPU type: tpu-v5-lite-podslice, tpu-v5p-slice, tpu-v6e-slice or tpu-v4-podslice.
+            On a TPU every training and trial worker is a host of a slice (`tpu_topology`,
+            `trial_tpu_topology`), with its chips and GKE's node selectors, on kubejax's TPU
+            image; set the GPU counts to 0 and the worker counts to 0 (the slice's hosts).
+        tpu_topology: The final training's TPU slice, e.g. 2x4 (8 chips, one v5e host) or
+            4x4 (16 chips, four hosts); required with a TPU accelerator.
         worker_node_selector: Node labels every training and trial worker pod requires, e.g.
             {"nvidia.com/gpu.present": "true"} for a GPU node pool.
         worker_tolerations: Tolerations of every training and trial worker pod, e.g.
@@ -254,7 +270,8 @@ def yelp_pipeline(
         queue_name: Kueue LocalQueue of every training and trial job: they wait, suspended,
             for Kueue to admit them, and their timeouts count from admission; empty: none.
         priority_class: Kueue WorkloadPriorityClass of those jobs; empty: none.
-        image: The kubejax image of every step and worker.
+        image: The image of every training and trial worker; empty: kubejax's of this
+            version for the accelerator (its TPU variant on a TPU).
         backend: The engine of the training jobs: auto (in a cluster, the one it serves,
             TrainJob first; elsewhere local), trainjob, jaxjob, kubernetes or local.
         timeout_seconds: Limit of the final training job.
@@ -299,6 +316,8 @@ def yelp_pipeline(
         seed=seed,
         replicas=trial_replicas,
         mesh=trial_mesh,
+        accelerator=accelerator,
+        tpu_topology=trial_tpu_topology,
         image=image,
         backend=backend,
         mlflow_tracking_uri=mlflow_tracking_uri,
@@ -311,6 +330,8 @@ def yelp_pipeline(
         best_params=sweep.outputs["best_params"],
         replicas=replicas,
         mesh=mesh,
+        accelerator=accelerator,
+        tpu_topology=tpu_topology,
         gpus_per_worker=gpus_per_worker,
         worker_node_selector=worker_node_selector,
         worker_tolerations=worker_tolerations,
@@ -345,11 +366,13 @@ def train_eval_pipeline(
     replicas: int = 2,
     gpus_per_worker: int = 1,
     mesh: str = "",
+    accelerator: str = "nvidia",
+    tpu_topology: str = "",
     worker_node_selector: dict = ANY_NODE,
     worker_tolerations: list = NO_TOLERATIONS,
     queue_name: str = "",
     priority_class: str = "",
-    image: str = IMAGE,
+    image: str = "",
     backend: str = "auto",
     timeout_seconds: int = 86400,
     mlflow_tracking_uri: str = "",
@@ -372,15 +395,17 @@ def train_eval_pipeline(
         max_validation_samples: Stratified cap on validation rows (0: all).
         max_test_samples: Stratified cap on test rows (0: all).
         train_hyperparameters: Trainer settings.
-        replicas: Workers of the training job.
-        gpus_per_worker: nvidia.com/gpu limit of each worker (0: CPU only).
-        mesh: Device mesh over replicas × gpus_per_worker devices, e.g. "fsdp=-1" (see
-            kubejax-yelp); empty: data-parallel.
+        replicas: Workers of the training job; on a TPU, 0 or the slice's hosts.
+        gpus_per_worker: nvidia.com/gpu limit of each worker (0: CPU only, and on a TPU).
+        mesh: Device mesh over replicas × gpus_per_worker devices (a TPU slice's chips), e.g.
+            "fsdp=-1" (see kubejax-yelp); empty: data-parallel.
+        accelerator: nvidia, cpu or a GKE TPU type (see kubejax-yelp).
+        tpu_topology: The TPU slice of the training job, e.g. 2x4; required on a TPU.
         worker_node_selector: Node labels every worker pod requires (see kubejax-yelp).
         worker_tolerations: Tolerations of every worker pod (see kubejax-yelp).
         queue_name: Kueue LocalQueue of the training job (see kubejax-yelp).
         priority_class: Kueue WorkloadPriorityClass of the training job.
-        image: The kubejax image.
+        image: The image of the training workers; empty: kubejax's for the accelerator.
         backend: auto, trainjob, jaxjob, kubernetes or local (see kubejax-yelp).
         timeout_seconds: Limit of the training job.
         mlflow_tracking_uri: MLflow tracking URI.
@@ -407,6 +432,8 @@ def train_eval_pipeline(
         best_params={},
         replicas=replicas,
         mesh=mesh,
+        accelerator=accelerator,
+        tpu_topology=tpu_topology,
         gpus_per_worker=gpus_per_worker,
         worker_node_selector=worker_node_selector,
         worker_tolerations=worker_tolerations,

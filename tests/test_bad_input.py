@@ -16,6 +16,11 @@ from kubejax import cli
 from kubejax.errors import KubejaxError
 from kubejax.trainer.train import main as trainer_main
 
+#: A tiny decoder's config (`model scratch`), for the decoders' settings.
+DECODER = json.dumps(
+    {"model_type": "qwen2", "hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 2,
+     "num_attention_heads": 2, "num_key_value_heads": 1, "vocab_size": 30522}
+)  # fmt: skip
 GOOD_CSV = "text,label\n" + "".join(
     f'"review number {i} was fine",{i % 5 + 1}\n' for i in range(40)
 )
@@ -102,6 +107,11 @@ CASES = [
     ("data-dir-not-prepared", "trainer", _trainer(data_dir=lambda f: f.tmp), r"data_dir: .*not a prepared dataset"),
     ("model-missing", "trainer", _trainer(model=lambda f: f.tmp / "nomodel"), r"model"),
     ("mlflow-tags-not-json", "trainer", _trainer(mlflow_tags="{x"), r"mlflow_tags"),
+    ("attention-unknown", "trainer", _trainer(attention="flash"), r"attention: 'flash' is not one of auto, xla, chunked, splash, cudnn"),
+    ("attention-splash-off-a-tpu", "trainer", _trainer(model="scratch", scratch_config=DECODER, tokenizer=lambda f: f.model, attention="splash"), r"attention: splash runs on TPUs only, and this is a cpu; use auto, xla or chunked"),
+    ("attention-cudnn-without-a-gpu", "trainer", _trainer(model="scratch", scratch_config=DECODER, tokenizer=lambda f: f.model, attention="cudnn"), r"attention: cudnn runs on NVIDIA GPUs only"),
+    ("attention-block-not-dividing", "trainer", _trainer(model="scratch", scratch_config=DECODER, tokenizer=lambda f: f.model, attention="chunked", attention_block=48, max_length=64), r"attention_block: 48 does not divide max_length 64"),
+    ("attention-splash-on-bert", "trainer", _trainer(attention="splash"), r"attention: splash applies to decoder models"),
     ("output-under-a-file", "trainer", _trainer(output_dir=lambda f: _write(f.tmp / "f", "mine") / "out"), r"output_dir"),
     # the sweep
     ("space-not-json", "cli", _tune("{learning_rate"), r"space"),
@@ -124,9 +134,17 @@ CASES = [
     ("evaluate-model-missing", "cli", _cli("evaluate", "--model-dir", lambda f: str(f.tmp / "nomodel"), "--data-dir", lambda f: str(f.data)), r"model"),
     ("evaluate-split-unknown", "cli", _cli("evaluate", "--model-dir", lambda f: str(f.trained), "--data-dir", lambda f: str(f.data), "--split", "dev"), r"split: 'dev' is not a split of .* \(it has test, train, validation\)"),
     ("evaluate-dtype-unknown", "cli", _cli("evaluate", "--model-dir", lambda f: str(f.trained), "--data-dir", lambda f: str(f.data), "--dtype", "float16"), r"dtype: 'float16' is not one of float32, bfloat16"),
+    # TPU slices (kubejax.tpu's table), before any manifest or job
+    ("tpu-type-unknown", "cli", _cli("plan", "--accelerator", "tpu-v9-slice", "--", "--model", "m"), r"--accelerator: invalid choice: 'tpu-v9-slice' \(choose from 'cpu', 'nvidia', 'tpu-v5-lite-podslice'"),
+    ("tpu-topology-unknown", "cli", _cli("render", "--accelerator", "tpu-v5-lite-podslice", "--tpu-topology", "3x3", "--", "--model", "m"), r"--tpu-topology: '3x3' is not a tpu-v5-lite-podslice slice; one of 1x1, 2x2, 2x4, 4x4"),
+    ("tpu-chips-per-host", "cli", _cli("render", "--accelerator", "tpu-v5-lite-podslice", "--tpu-topology", "4x4", "--tpus", "8", "--", "--model", "m"), r"--tpus: a tpu-v5-lite-podslice 4x4 slice has 4 chips on each host"),
+    ("tpu-with-gpus", "cli", _cli("launch", "--engine", "local", "--accelerator", "tpu-v6e-slice", "--tpu-topology", "2x4", "--gpus", "1", "--", "--model", "m"), r"--gpus: accelerator tpu-v6e-slice takes no GPUs"),
+    ("tpu-workers-contradict", "cli", _cli("render", "--engine", "jaxjob", "--accelerator", "tpu-v5p-slice", "--tpu-topology", "2x2x2", "--replicas", "3", "--", "--model", "m"), r"--replicas: 3 workers contradict the tpu-v5p-slice 2x2x2 \(8 chips: 2 hosts × 4\) slice"),
+    ("tpu-mesh-not-the-slice", "cli", _cli("plan", "--accelerator", "tpu-v5-lite-podslice", "--tpu-topology", "4x4", "--", "--model", "m", "--mesh", "fsdp=3"), r"mesh: fsdp=3 makes 3 devices, but the job has 16 .*; the slice is tpu-v5-lite-podslice 4x4 \(16 chips: 4 hosts × 4\)"),
     # components, called as KFP calls them
     ("component-train-hyperparameters", "component", "train", r"hyperparameters: .*learning.rate.*fast"),
     ("component-train-backend", "component", "train-backend", r"backend.*slurm"),
+    ("component-train-tpu-topology", "component", "train-tpu", r"^tpu_topology: '5x5' is not a tpu-v5-lite-podslice slice; one of 1x1"),
     ("component-tune-space", "component", "tune", r"search_space"),
     ("component-evaluate-split", "component", "evaluate", r"split.*dev"),
     ("component-prepare-max-length", "component", "prepare", r"max_length"),
@@ -149,10 +167,12 @@ def _component_call(which: str, f):
     if which.startswith("train"):
         hp = {"learning_rate": "fast"} if which == "train" else {}
         backend = "slurm" if which == "train-backend" else "local"
+        tpu = {"accelerator": "tpu-v5-lite-podslice", "tpu_topology": "5x5"}
         return lambda: train.train.python_func(
             dataset=_artifact(f.data), model=_artifact(out / "model"),
             metrics=SimpleNamespace(log_metric=lambda *a: None), report=_artifact(out / "r.html"),
             base_model=str(f.model), hyperparameters=hp, backend=backend,
+            **(tpu if which == "train-tpu" else {}),
         )  # fmt: skip
     if which == "tune":
         return lambda: tune.tune_sweep.python_func(

@@ -193,7 +193,20 @@ def _error_cases(tmp_path, trained_tiny, prepared, fake_host):
     tune = ["tune", "--data-dir", str(prepared), "--model", "m", "--output-dir", str(tmp_path)]
     return {
         "CliError": (["render", "--env", "NOEQUALS", "--", "--model", "m"], "--env:"),
-        "SpecError": (["render", "--replicas", "0", "--", "--model", "m"], "replicas:"),
+        "SpecError": (["render", "--replicas", "-1", "--", "--model", "m"], "replicas:"),
+        "TPUError": (
+            [
+                "render",
+                "--accelerator",
+                "tpu-v5p-slice",
+                "--tpu-topology",
+                "2x4",
+                "--",
+                "--model",
+                "m",
+            ],
+            "--tpu-topology: '2x4' is not a tpu-v5p-slice slice; one of 2x2x1, 2x2x2",
+        ),
         "TokenizerError": (
             [
                 "prepare",
@@ -261,6 +274,7 @@ def _error_cases(tmp_path, trained_tiny, prepared, fake_host):
 ERROR_CLASSES = [
     "CliError",
     "SpecError",
+    "TPUError",
     "TokenizerError",
     "PrepareError",
     "EvaluationError",
@@ -301,6 +315,7 @@ def _subclasses(cls) -> list[type]:
     import kubejax.evaluate
     import kubejax.flags
     import kubejax.jobs.client
+    import kubejax.tpu
     import kubejax.tune  # noqa: F401
 
     out = []

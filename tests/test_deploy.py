@@ -1,8 +1,9 @@
 """The cluster quickstart (deploy/), checked here without a cluster: every manifest against the
-Kubernetes schemas of the pinned version (kubernetes-validate, offline), the Trainer runtime
-the TrainJobs use against its CRD, every version from one file, the kustomizations' files, the
-Dockerfile (hadolint) and the scripts (shellcheck). The security scan (checkov) is `make
-deploy-check`, part of `make test`."""
+Kubernetes schemas of the pinned version (kubernetes-validate, offline), the Trainer runtimes
+the TrainJobs use (Trainer's jax-distributed, kubejax's jax-tpu) against their CRD, the Kueue
+queues (kind's, and the TPU flavors' for GKE), every version from one file, the kustomizations'
+files, the Dockerfile with its TPU variant (hadolint) and the scripts (shellcheck). The security
+scan (checkov) is `make deploy-check`, part of `make test`."""
 
 from __future__ import annotations
 
@@ -27,10 +28,16 @@ VERSIONS = dict(
 )
 #: Files that are not Kubernetes objects: kustomize's, kind's and Kueue's own configuration.
 NOT_OBJECTS = {"kustomization.yaml", "kind-config.yaml", "controller_manager_config.yaml"}
-#: Kueue's objects (their CRDs are not the core schemas kubernetes-validate holds).
+#: Kueue's objects (their CRDs are not the core schemas kubernetes-validate holds): the kind
+#: quickstart's queue, and the TPU flavors' for GKE.
 KUEUE_OBJECTS = DEPLOY / "kueue" / "queues.yaml"
+TPU_KUEUE_OBJECTS = DEPLOY / "kueue" / "tpu-queues.yaml"
+#: kubejax's Kubeflow Trainer runtime for TPU slices (validated against Trainer's CRD below).
+TPU_RUNTIME = DEPLOY / "trainer" / "jax-tpu.yaml"
 MANIFESTS = sorted(
-    p for p in DEPLOY.rglob("*.yaml") if p.name not in NOT_OBJECTS and p != KUEUE_OBJECTS
+    p
+    for p in DEPLOY.rglob("*.yaml")
+    if p.name not in NOT_OBJECTS and p not in (KUEUE_OBJECTS, TPU_KUEUE_OBJECTS, TPU_RUNTIME)
 )
 # The quickstart's scripts and the GPU benchmark's.
 SCRIPTS = [*sorted(DEPLOY.glob("*.sh")), ROOT / "bench" / "gpu.sh"]
@@ -129,6 +136,77 @@ def test_the_jax_distributed_runtime_validates_against_its_crd():
     runtime = yaml.safe_load((DATA / "jax_distributed.yaml").read_text())
     jsonschema.validate(runtime, schema)
     assert runtime["metadata"]["name"] == "jax-distributed"
+
+
+def test_the_tpu_kueue_flavors_match_the_slices_kubejax_asks_for():
+    """One ResourceFlavor per slice shape, labelled as GKE labels the slice's nodes (a TPU job's
+    node selectors pick its flavor), each a slice GKE offers; the ClusterQueue counts
+    google.com/tpu in whole slices of its flavors; a LocalQueue of its own beside kind's."""
+    from kubejax import tpu
+
+    docs = list(yaml.safe_load_all(TPU_KUEUE_OBJECTS.read_text()))
+    assert {d["apiVersion"] for d in docs} == {"kueue.x-k8s.io/v1beta2"}
+    flavors = {d["metadata"]["name"]: d for d in docs if d["kind"] == "ResourceFlavor"}
+    shapes = {}
+    for name, flavor in flavors.items():
+        labels = flavor["spec"]["nodeLabels"]
+        assert set(labels) == {tpu.ACCELERATOR_LABEL, tpu.TOPOLOGY_LABEL}, name
+        shapes[name] = tpu.slice_of(labels)  # raises on a slice GKE does not offer
+    (cluster,) = [d for d in docs if d["kind"] == "ClusterQueue"]
+    (group,) = cluster["spec"]["resourceGroups"]
+    assert group["coveredResources"] == ["cpu", "memory", tpu.RESOURCE]
+    assert {f["name"] for f in group["flavors"]} == set(flavors)
+    for f in group["flavors"]:
+        assert [r["name"] for r in f["resources"]] == group["coveredResources"]
+        chips = next(int(r["nominalQuota"]) for r in f["resources"] if r["name"] == tpu.RESOURCE)
+        assert chips and chips % shapes[f["name"]].chips == 0, f["name"]
+    (local,) = [d for d in docs if d["kind"] == "LocalQueue"]
+    assert local["spec"]["clusterQueue"] == cluster["metadata"]["name"] == "kubejax-tpu"
+    assert local["metadata"]["name"] != "kubejax"  # kind's queue keeps its name
+
+
+def test_the_jax_tpu_runtime_validates_against_its_crd_and_mirrors_jax_distributed():
+    """kubejax's TPU runtime: valid against Trainer v2.3.0's CRD, Trainer's JAX plugin and job
+    shape as jax-distributed's (what the TrainJob's patches and the trainer's environment
+    expect), on kubejax's TPU image of this version; cluster-up.sh installs it."""
+    from kubejax import tpu
+    from kubejax.jobs import trainjob
+    from tests.jobs.test_spec import unknown_fields
+
+    crd = yaml.safe_load((DATA / "trainer.kubeflow.org_clustertrainingruntimes.yaml").read_text())
+    schema = crd["spec"]["versions"][0]["schema"]["openAPIV3Schema"]
+    runtime = yaml.safe_load(TPU_RUNTIME.read_text())
+    jsonschema.validate(runtime, schema)
+    assert unknown_fields(runtime, schema) == []
+    assert runtime["metadata"]["name"] == trainjob.TPU_RUNTIME
+    builtin = yaml.safe_load((DATA / "jax_distributed.yaml").read_text())
+    assert runtime["spec"]["mlPolicy"] == builtin["spec"]["mlPolicy"]
+    (job,) = runtime["spec"]["template"]["spec"]["replicatedJobs"]
+    assert job["name"] == trainjob.REPLICATED_JOB
+    assert (
+        job["template"]["metadata"]
+        == builtin["spec"]["template"]["spec"]["replicatedJobs"][0]["template"]["metadata"]
+    )
+    pod = job["template"]["spec"]["template"]["spec"]
+    (container,) = pod["containers"]
+    assert container == {"name": trainjob.CONTAINER, "image": tpu.TPU_IMAGE}
+    assert {"key": tpu.RESOURCE, "operator": "Exists", "effect": "NoSchedule"} in pod["tolerations"]
+    script = (DEPLOY / "cluster-up.sh").read_text()
+    assert '"$here/trainer/jax-tpu.yaml"' in script
+
+
+def test_the_dockerfile_builds_a_tpu_variant_in_pyprojects_jax_range():
+    """JAX_VARIANT=tpu installs jax[tpu] in pyproject's jax range beside the same extras as the
+    CPU image (the CUDA and TPU backends never share an image)."""
+    import tomllib
+
+    dockerfile = (ROOT / "trainer_image" / "Dockerfile").read_text()
+    pyproject = tomllib.loads((ROOT / "pyproject.toml").read_text())
+    jax = next(d for d in pyproject["project"]["dependencies"] if d.startswith("jax>="))
+    line = next(x for x in dockerfile.splitlines() if x.strip().startswith("tpu)"))
+    assert f'pip install ".[server,ray]" "jax[tpu]{jax.removeprefix("jax")}"' in line
+    assert "cuda" not in line
+    assert "cpu, cuda or tpu" in dockerfile
 
 
 def test_the_dockerfile_passes_hadolint():

@@ -201,7 +201,7 @@ def test_outage_during_training_loses_no_metric(server, tmp_path, tiny_model_dir
 
 
 def test_undelivered_metrics_are_kept_beside_metrics_json(tmp_path, capsys):
-    from kubejax.trainer.train import Progress
+    from kubejax.trainer.progress import Progress
 
     tracker = tracking.Tracker()
     tracker.run_id = "run-1"

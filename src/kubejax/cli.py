@@ -3,8 +3,10 @@
 kubejax prepare --tokenizer MODEL --source FILE_OR_HUB_ID --output DIR
 kubejax render --engine {trainjob,jaxjob} [options] -- TRAINER_ARGS
 kubejax launch --engine {auto,local,trainjob,jaxjob} --replicas N [options] -- TRAINER_ARGS
+kubejax render --accelerator tpu-v5-lite-podslice --tpu-topology 4x4 -- TRAINER_ARGS
 kubejax jaxjob render|run ...   (the same as render/launch with the JAXJob engine)
 kubejax plan --replicas N --devices-per-worker G [--device-memory 80GiB] -- TRAINER_ARGS
+kubejax plan --accelerator tpu-v6e-slice --tpu-topology 2x4 -- TRAINER_ARGS
 kubejax tune --data-dir DIR --model MODEL --space JSON [options]
 kubejax evaluate --model-dir DIR --data-dir DIR
 kubejax compile [--output-dir compiled]
@@ -19,12 +21,22 @@ import json
 import sys
 from pathlib import Path
 
+from kubejax import tpu
 from kubejax.errors import KubejaxError
 from kubejax.flags import add_flags, from_namespace
 from kubejax.jobs.client import BACKENDS, in_cluster
 from kubejax.version import IMAGE, __version__
 
 EXIT_BAD_INPUT = 2
+#: The job options' names, for the accelerator settings' refusals (`place_workers`).
+JOB_FLAGS = {
+    "accelerator": "--accelerator",
+    "tpu_topology": "--tpu-topology",
+    "replicas": "--replicas",
+    "devices_per_worker": "--tpus",
+    "gpus_per_worker": "--gpus",
+}
+PLAN_FLAGS = {**JOB_FLAGS, "devices_per_worker": "--devices-per-worker"}
 #: The compiled pipelines (`kubejax.pipelines.catalog`), named here without importing kfp.
 PIPELINE_NAMES = ("kubejax-yelp", "kubejax-train-eval", "kubejax-llm")
 
@@ -83,9 +95,31 @@ def _prepare(args) -> int:
 # jaxjob
 
 
+def _accelerator_options(q, devices: str) -> None:
+    q.add_argument(
+        "--accelerator",
+        default="",
+        choices=tpu.ACCELERATORS,
+        help=f"cpu, nvidia (GPUs: {devices}; the default) or a GKE TPU type, whose slice "
+        "--tpu-topology names",
+    )
+    q.add_argument(
+        "--tpu-topology",
+        default="",
+        help="the TPU slice's topology, e.g. 2x4 or 4x4 (GKE's cloud.google.com/gke-tpu-"
+        "topology): its hosts are the workers, its chips per host each one's google.com/tpu",
+    )
+
+
 def _job_options(q) -> None:
     q.add_argument("--name", default="kubejax-train", help="job name (DNS-1035)")
-    q.add_argument("--replicas", type=int, default=1, help="number of workers (nodes)")
+    q.add_argument(
+        "--replicas",
+        type=int,
+        default=0,
+        help="number of workers (nodes); 0: 1, or a TPU slice's hosts",
+    )
+    _accelerator_options(q, "--gpus")
     q.add_argument(
         "--restart-policy",
         default="OnFailure",
@@ -93,12 +127,22 @@ def _job_options(q) -> None:
     )
     q.add_argument("--backoff-limit", type=int, default=3, help="group restarts allowed")
     q.add_argument("--active-deadline", type=int, default=None, help="activeDeadlineSeconds")
-    q.add_argument("--image", default=IMAGE, help="worker image")
+    q.add_argument(
+        "--image",
+        default="",
+        help=f"worker image (default: {IMAGE}, or {tpu.TPU_IMAGE} on a TPU)",
+    )
     q.add_argument("--namespace", default=None)
     q.add_argument("--cpu", default=None, help="CPU limit per worker, e.g. 4")
     q.add_argument("--memory", default=None, help="memory limit per worker, e.g. 16Gi")
     q.add_argument("--gpus", type=int, default=0, help="nvidia.com/gpu per worker")
-    q.add_argument("--tpus", type=int, default=0, help="google.com/tpu per worker")
+    q.add_argument(
+        "--tpus",
+        type=int,
+        default=0,
+        help="google.com/tpu per worker; with a TPU --accelerator, the chips of a host (0: the "
+        "slice's; a v5e or v6e 2x4 offers 8 on one host or 4 on two)",
+    )
     q.add_argument("--env", action="append", default=[], metavar="NAME=VALUE")
     _queue_options(q)
 
@@ -150,9 +194,21 @@ def _add_plan(sub) -> None:
         "status 2 when it exceeds --device-memory (or the trainer's device_memory), naming the "
         "smallest mesh / micro-batch that fits.",
     )
-    p.add_argument("--replicas", type=int, default=1, help="workers (processes)")
-    p.add_argument("--devices-per-worker", type=int, default=1, help="devices (GPUs) a worker")
-    p.add_argument("--device-memory", default="", help="memory of one device, e.g. 80GiB")
+    p.add_argument(
+        "--replicas", type=int, default=0, help="workers (processes); 0: 1, or a TPU slice's hosts"
+    )
+    p.add_argument(
+        "--devices-per-worker",
+        type=int,
+        default=0,
+        help="devices (GPUs) a worker, 0: one; on a TPU the chips of a host (0: the slice's)",
+    )
+    _accelerator_options(p, "--devices-per-worker")
+    p.add_argument(
+        "--device-memory",
+        default="",
+        help="memory of one device, e.g. 80GiB (default: a TPU chip's, else as the trainer says)",
+    )
     p.set_defaults(func=_plan)
 
 
@@ -167,22 +223,31 @@ def _trainer_config(args):
 
 
 def _plan(args) -> int:
+    from kubejax.launchers.common import check_mesh, devices_per_pod, place_workers
     from kubejax.trainer import plan
 
+    replicas, pod, shape = place_workers(
+        {},
+        replicas=args.replicas,
+        devices_per_worker=args.devices_per_worker,
+        accelerator=args.accelerator,
+        tpu_topology=args.tpu_topology,
+        names=PLAN_FLAGS,
+    )
     cfg = _trainer_config(args)
-    checked, devices = plan.check_job(cfg, args.replicas, args.devices_per_worker)
+    if shape is not None:
+        check_mesh(cfg, shape)
+    per_pod, selector = devices_per_pod(pod), pod.get("node_selector")
+    checked, devices = plan.check_job(cfg, replicas, per_pod, selector)
     if checked is None:  # no device memory given: the figures alone
-        checked = plan.plan_memory(cfg, plan.model_config(cfg), cfg.num_labels or 5, devices)
+        checked = plan.plan_memory(
+            cfg, plan.model_config(cfg), cfg.num_labels or 5, devices,
+            platform=plan.platform_of(cfg, selector or {}, per_pod),
+        )  # fmt: skip
+    if shape is not None:
+        print(f"slice: {shape.describe()}, {shape.machine_type} hosts")
     print(checked.describe())
     return 0
-
-
-def _check_job(args) -> None:
-    """Refuse what cannot run before a manifest is printed or a job submitted: a mesh that
-    does not fit replicas × GPUs, a plan over the device's memory."""
-    from kubejax.trainer import plan
-
-    plan.check_job(_trainer_config(args), args.replicas, args.gpus)
 
 
 def _add_jaxjob(sub) -> None:
@@ -209,8 +274,11 @@ def _add_jaxjob(sub) -> None:
 
 
 def _spec_from_args(args):
+    """The job of the options, refused (before anything is printed or submitted) when its
+    accelerator settings contradict, its mesh does not fit the devices or its memory plan the
+    device."""
     from kubejax.jobs.spec import JAXJobSpec, resources
-    from kubejax.launchers.common import TRAINER_COMMAND
+    from kubejax.launchers.common import TRAINER_COMMAND, check_job, place_workers
 
     env = {}
     for pair in args.env:
@@ -218,21 +286,35 @@ def _spec_from_args(args):
         if not sep:
             raise CliError(f"--env: {pair!r} is not NAME=VALUE")
         env[k] = v
-    return JAXJobSpec(
+    on_tpu = tpu.is_tpu(args.accelerator)
+    # Off TPUs --tpus is a plain google.com/tpu limit; on one, the chips a host (place_workers).
+    pod = {"resources": resources(args.cpu, args.memory, args.gpus, 0 if on_tpu else args.tpus)}
+    replicas, pod, shape = place_workers(
+        pod,
+        replicas=args.replicas,
+        devices_per_worker=args.tpus if on_tpu else 0,
+        accelerator=args.accelerator,
+        tpu_topology=args.tpu_topology,
+        job=args.name,
+        names=JOB_FLAGS,
+    )
+    spec = JAXJobSpec(
         name=args.name,
-        image=args.image,
+        image=tpu.image_for(args.accelerator, args.image),
         command=TRAINER_COMMAND,
         args=args.trainer_args,
-        replicas=args.replicas,
+        replicas=replicas,
         namespace=args.namespace,
-        resources=resources(args.cpu, args.memory, args.gpus, args.tpus),
         env=env,
+        **pod,
         restart_policy=args.restart_policy,
         backoff_limit=args.backoff_limit,
         active_deadline_seconds=args.active_deadline,
         queue_name=args.queue_name,
         priority_class=args.priority_class,
     )
+    check_job(_trainer_config(args), replicas, pod, shape)
+    return spec
 
 
 def _jaxjob_render(args) -> int:
@@ -242,7 +324,6 @@ def _jaxjob_render(args) -> int:
     from kubejax.jobs.trainjob import build_trainjob_manifest
 
     spec = _spec_from_args(args)
-    _check_job(args)
     build = build_trainjob_manifest if args.engine == "trainjob" else build_manifest
     print(yaml.safe_dump(build(spec), sort_keys=False), end="")
     return 0
@@ -253,7 +334,6 @@ def _jaxjob_run(args) -> int:
     from kubejax.jobs.launch import run_job
 
     spec = _spec_from_args(args)
-    _check_job(args)
     # `jaxjob run` takes --local; `launch` names its engine.
     engine = args.engine or ("local" if args.local else "jaxjob")
     local = engine == "local" or (engine == "auto" and not in_cluster())
@@ -296,7 +376,10 @@ def _add_tune(sub) -> None:
     p.add_argument("--output-dir", required=True, help="trials, study.db, trials.json, report")
     p.add_argument("--hyperparameters", default="{}", help="JSON of fixed trainer settings")
     add_flags(p, SweepConfig, skip={"space", "storage", "study_name", "poll_seconds"})
-    p.add_argument("--replicas", type=int, default=1, help="workers per trial")
+    p.add_argument(
+        "--replicas", type=int, default=1, help="workers per trial (0 on a TPU: the slice's hosts)"
+    )
+    _accelerator_options(p, "as the trials' hyperparameters and resources say")
     p.add_argument(
         "--backend",
         default="local",
@@ -304,7 +387,9 @@ def _add_tune(sub) -> None:
         help="engine of the trials: local processes, trainjob, jaxjob, or kubernetes/auto "
         "(ask the cluster, TrainJob first)",
     )
-    p.add_argument("--image", default=IMAGE)
+    p.add_argument(
+        "--image", default="", help="trial image (default: kubejax's for the accelerator)"
+    )
     _queue_options(p)
     p.add_argument("--mlflow-tracking-uri", default="")
     p.add_argument("--mlflow-experiment", default="kubejax")
@@ -338,6 +423,8 @@ def _tune(args) -> int:
         hyperparameters={**fixed, "model": args.model},
         image=args.image,
         replicas=args.replicas,
+        accelerator=args.accelerator,
+        tpu_topology=args.tpu_topology,
         backend=args.backend,
         mlflow_tracking_uri=args.mlflow_tracking_uri,
         mlflow_experiment=args.mlflow_experiment,

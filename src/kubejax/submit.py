@@ -1,4 +1,9 @@
-"""Upload the compiled pipeline to a KFP server and create a run of it (`kubejax submit`)."""
+"""Upload the compiled pipeline to a KFP server and create a run of it (`kubejax submit`).
+
+The run's accelerator settings are checked first, as the launchers will check them in the run
+(`kubejax.launchers.common.place_workers`): a TPU type GKE lacks, a topology it does not offer,
+GPU counts or worker counts that contradict the slice are refused before anything is uploaded.
+"""
 
 from __future__ import annotations
 
@@ -6,8 +11,37 @@ import time
 from importlib.util import find_spec
 from pathlib import Path
 
+from kubejax.launchers.common import GPU, place_workers
 from kubejax.local_run import parse_params, pipeline_inputs
 from kubejax.version import __version__
+
+#: The pipelines' worker settings: the final training's, and (prefix `trial_`) the sweep's.
+_WORKER_SETS = ("", "trial_")
+
+
+def check_accelerator(pipeline, arguments: dict) -> None:
+    """A run's accelerator settings (the arguments over the pipeline's defaults) against the
+    TPU table, for the final training and the sweep's trials; TPUError names the pipeline
+    parameter."""
+    inputs = pipeline.component_spec.inputs or {}
+    if "accelerator" not in inputs:
+        return
+
+    def value(name: str):
+        return arguments[name] if name in arguments else inputs[name].default
+
+    for prefix in _WORKER_SETS:
+        if f"{prefix}replicas" not in inputs:
+            continue
+        names = {k: f"{prefix}{k}" for k in ("replicas", "gpus_per_worker", "tpu_topology")}
+        gpus = int(value(f"{prefix}gpus_per_worker") or 0)
+        place_workers(
+            {"resources": {"limits": {GPU: gpus}}},
+            replicas=int(value(f"{prefix}replicas")),
+            accelerator=value("accelerator"),
+            tpu_topology=value(f"{prefix}tpu_topology"),
+            names=names,
+        )
 
 
 def compiled_pipeline(pipeline: str) -> Path:
@@ -50,6 +84,7 @@ def submit(
         raise ValueError(f"--pipeline: {pipeline!r} is not one of {', '.join(PIPELINES)}")
     path = _package(pipeline, package)
     arguments = parse_params(params, pipeline_inputs(PIPELINES[pipeline]))
+    check_accelerator(PIPELINES[pipeline], arguments)
     client = kfp.Client(host=host, namespace=namespace)
     exp = client.create_experiment(experiment, namespace=namespace)
     stamp = time.strftime("%Y%m%d-%H%M%S")

@@ -211,10 +211,12 @@ class _LocalJob:
             # valueFrom (secrets, field refs) has no local meaning: the local environment
             # provides such variables itself.
         env["PYTHONUNBUFFERED"] = "1"
-        gpus = (self.spec.resources or {}).get("limits", {}).get("nvidia.com/gpu")
-        if gpus and jax_cpu_devices_unset(env):
-            # A pod's GPUs, here: as many CPU devices in the worker (the same mesh and shards).
-            env["JAX_NUM_CPU_DEVICES"] = str(gpus)
+        limits = (self.spec.resources or {}).get("limits", {})
+        devices = limits.get("nvidia.com/gpu") or limits.get("google.com/tpu")
+        if devices and jax_cpu_devices_unset(env):
+            # A pod's GPUs or TPU chips, here: as many CPU devices in the worker (the same mesh
+            # and shards).
+            env["JAX_NUM_CPU_DEVICES"] = str(devices)
         if self.env_contract == "trainjob":
             env.update(
                 JAX_COORDINATOR_ADDRESS=f"127.0.0.1:{port}",

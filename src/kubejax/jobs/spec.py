@@ -4,6 +4,12 @@ Facts from Training Operator v1.9.0: the only replica type is `Worker`; one cont
 named `jax` and expose the port named `jaxjob-port` (COORDINATOR_PORT); the job name is a
 DNS-1035 label; the operator injects COORDINATOR_ADDRESS, COORDINATOR_PORT, NUM_PROCESSES,
 PROCESS_ID and PYTHONUNBUFFERED into every container.
+
+On a multi-host TPU slice (a GKE TPU node selector, several workers) the workers also get the
+TPU environment GKE's webhook gives the pods of Indexed Jobs (JobSet's, so a TrainJob's), and not
+a JAXJob's plain pods: TPU_WORKER_ID (the replica index, from the operator's pod label) and
+TPU_WORKER_HOSTNAMES (the workers' names, which the operator's per-replica Services resolve).
+JAX's Cloud TPU cluster detection and the TPU runtime read them to join the slice.
 """
 
 from __future__ import annotations
@@ -13,6 +19,7 @@ import re
 from dataclasses import dataclass, field
 from typing import Any
 
+from kubejax import tpu
 from kubejax.errors import KubejaxError
 from kubejax.jobs import kueue
 
@@ -25,6 +32,8 @@ DEFAULT_PORT = 6666
 RESTART_POLICIES = ("Never", "OnFailure", "Always", "ExitCode")
 CLEAN_POD_POLICIES = ("All", "Running", "None")
 LABEL_PREFIX = "kubejax.dev"
+#: The Training Operator's pod label with the replica's index (its PROCESS_ID).
+REPLICA_INDEX_LABEL = "training.kubeflow.org/replica-index"
 _DNS1035 = re.compile(r"^[a-z]([-a-z0-9]*[a-z0-9])?$")
 _MAX_NAME = 63
 
@@ -172,6 +181,21 @@ def job_metadata(spec: JAXJobSpec) -> dict:
     )
 
 
+def tpu_worker_env(spec: JAXJobSpec) -> list[dict]:
+    """The TPU environment of a JAXJob's workers on a multi-host slice (see the module's
+    docstring); none on one host, off TPUs, or where the spec sets a variable itself."""
+    if spec.replicas < 2 or tpu.ACCELERATOR_LABEL not in spec.node_selector:
+        return []
+    hosts = ",".join(f"{spec.name}-worker-{i}" for i in range(spec.replicas))
+    index = {"fieldRef": {"fieldPath": f"metadata.labels['{REPLICA_INDEX_LABEL}']"}}
+    own = {e["name"] for e in spec.env}
+    env = [
+        {"name": "TPU_WORKER_ID", "valueFrom": index},
+        {"name": "TPU_WORKER_HOSTNAMES", "value": hosts},
+    ]
+    return [e for e in env if e["name"] not in own]
+
+
 def build_manifest(spec: JAXJobSpec) -> dict:
     """The `kubeflow.org/v1` JAXJob object for `spec`, as a plain dict."""
     container = drop_empty(
@@ -181,7 +205,7 @@ def build_manifest(spec: JAXJobSpec) -> dict:
             "command": spec.command,
             "args": spec.args,
             "ports": [{"name": PORT_NAME, "containerPort": spec.port}],
-            "env": spec.env,
+            "env": [*spec.env, *tpu_worker_env(spec)],
             "resources": spec.resources,
             "volumeMounts": spec.volume_mounts,
             "workingDir": spec.working_dir,

@@ -12,10 +12,17 @@ volumes, service account, pod labels and annotations, and the container's volume
 one `runtimePatches` entry for job `node`; `activeDeadlineSeconds` as it is. Restarts come from
 the runtime's JobSet failure policy, not from the spec (a TrainJob has no restartPolicy or
 backoffLimit).
+
+A job on a GKE TPU slice (the `cloud.google.com/gke-tpu-accelerator` node selector) points at
+kubejax's `jax-tpu` runtime instead (deploy/trainer/jax-tpu.yaml): the same JobSet shape and JAX
+plugin on kubejax's TPU image, since the built-in runtime's image holds JAX's CUDA backend, which
+conflicts with the TPU one. Its pods belong to an Indexed Job, so GKE gives them the TPU
+environment (TPU_WORKER_ID, TPU_WORKER_HOSTNAMES) itself.
 """
 
 from __future__ import annotations
 
+from kubejax import tpu
 from kubejax.jobs.spec import LABEL_PREFIX, JAXJobSpec, drop_empty, job_labels, job_metadata
 
 API_GROUP = "trainer.kubeflow.org"
@@ -23,6 +30,8 @@ API_VERSION = f"{API_GROUP}/v1alpha1"
 KIND = "TrainJob"
 PLURAL = "trainjobs"
 RUNTIME = "jax-distributed"
+#: kubejax's runtime for GKE TPU slices (deploy/trainer/jax-tpu.yaml).
+TPU_RUNTIME = "jax-tpu"
 RUNTIME_KIND = "ClusterTrainingRuntime"
 REPLICATED_JOB = "node"
 CONTAINER = "node"
@@ -31,8 +40,15 @@ PATCH_MANAGER = f"{LABEL_PREFIX}/launcher"
 POD_JOB_LABEL = "jobset.sigs.k8s.io/jobset-name"
 
 
-def build_trainjob_manifest(spec: JAXJobSpec, runtime: str = RUNTIME) -> dict:
-    """The `trainer.kubeflow.org/v1alpha1` TrainJob object for `spec`, as a plain dict."""
+def runtime_for(spec: JAXJobSpec) -> str:
+    """The ClusterTrainingRuntime of a job: `jax-tpu` on a TPU slice, else `jax-distributed`."""
+    return TPU_RUNTIME if tpu.ACCELERATOR_LABEL in spec.node_selector else RUNTIME
+
+
+def build_trainjob_manifest(spec: JAXJobSpec, runtime: str = "") -> dict:
+    """The `trainer.kubeflow.org/v1alpha1` TrainJob object for `spec`, as a plain dict, on
+    `runtime` (empty: `runtime_for(spec)`)."""
+    runtime = runtime or runtime_for(spec)
     labels = job_labels(spec)
     pod_spec = drop_empty(
         {

@@ -1,4 +1,5 @@
-"""The Kubernetes TrainJob backend: Kubeflow Trainer v2 (`jax-distributed` runtime).
+"""The Kubernetes TrainJob backend: Kubeflow Trainer v2 (`jax-distributed` runtime, or
+kubejax's `jax-tpu` for jobs on a TPU slice).
 
 It talks to the TrainJob CRD through the kubernetes client's CustomObjectsApi rather than the
 Kubeflow SDK's TrainerClient: `TrainerClient.train` generates a random job name (a retried
@@ -22,8 +23,9 @@ from kubejax.jobs.trainjob import (
     CONTAINER,
     PLURAL,
     POD_JOB_LABEL,
-    RUNTIME,
+    TPU_RUNTIME,
     build_trainjob_manifest,
+    runtime_for,
 )
 from kubejax.jobs.types import FAILED, RUNNING, SUCCEEDED, SUSPENDED, JobStatus
 
@@ -61,7 +63,8 @@ def trainjob_status(obj: dict) -> JobStatus:
 
 
 class TrainJobBackend(Backend):
-    """TrainJobs on a cluster with Kubeflow Trainer v2.2+ and its `jax-distributed` runtime."""
+    """TrainJobs on a cluster with Kubeflow Trainer v2.2+ and its `jax-distributed` runtime
+    (`jax-tpu` for TPU jobs); `runtime` set: every job on that one."""
 
     def __init__(
         self,
@@ -69,7 +72,7 @@ class TrainJobBackend(Backend):
         client_configuration=None,
         config_file: str | None = None,
         context: str | None = None,
-        runtime: str = RUNTIME,
+        runtime: str = "",
     ):
         from kubernetes import client
 
@@ -84,20 +87,24 @@ class TrainJobBackend(Backend):
             API_GROUP, VERSION, self.namespace, PLURAL, name
         )
 
-    def check_runtime(self) -> None:
+    def check_runtime(self, runtime: str) -> None:
         """The ClusterTrainingRuntime must exist; else a clear error naming what to install."""
         from kubernetes.client.rest import ApiException
 
         try:
             self.custom.get_cluster_custom_object(
-                API_GROUP, VERSION, "clustertrainingruntimes", self.runtime
+                API_GROUP, VERSION, "clustertrainingruntimes", runtime
             )
         except ApiException as err:
             if err.status == _NOT_FOUND:
-                raise RuntimeError(
-                    f"engine: the ClusterTrainingRuntime {self.runtime!r} is not installed; "
-                    "install Kubeflow Trainer v2.2 or later with its default runtimes "
+                install = (
+                    "apply kubejax's: kubectl apply --server-side -f deploy/trainer/jax-tpu.yaml"
+                    if runtime == TPU_RUNTIME
+                    else "install Kubeflow Trainer v2.2 or later with its default runtimes "
                     "(they include jax-distributed)"
+                )
+                raise RuntimeError(
+                    f"engine: the ClusterTrainingRuntime {runtime!r} is not installed; {install}"
                 ) from err
             raise
 
@@ -110,8 +117,9 @@ class TrainJobBackend(Backend):
         except ApiException as err:
             if err.status != _NOT_FOUND:
                 raise
-        self.check_runtime()
-        manifest = build_trainjob_manifest(spec, self.runtime)
+        runtime = self.runtime or runtime_for(spec)
+        self.check_runtime(runtime)
+        manifest = build_trainjob_manifest(spec, runtime)
         manifest["metadata"]["namespace"] = self.namespace
         try:
             self.custom.create_namespaced_custom_object(

@@ -16,14 +16,21 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from kubejax import tracking
+from kubejax import tpu, tracking
+from kubejax.errors import InfeasibleError
 from kubejax.flags import to_flags
 from kubejax.jobs.client import in_cluster
-from kubejax.jobs.spec import JAXJobSpec
+from kubejax.jobs.spec import LABEL_PREFIX, JAXJobSpec
 from kubejax.trainer.config import ConfigError, TrainConfig, parser
 
 TRAINER_COMMAND = ["python", "-m", "kubejax.trainer"]
 GPU = "nvidia.com/gpu"
+#: GKE taints TPU nodes `google.com/tpu=present:NoSchedule`; its admission adds this toleration
+#: to pods that ask for chips, and it is spelled out so clusters without that admission (or a
+#: Kueue flavor's own taints) schedule the workers too.
+TPU_TOLERATION = {"key": tpu.RESOURCE, "operator": "Exists", "effect": "NoSchedule"}
+#: The node label of a GKE node pool: a multi-host TPU slice is one node pool.
+NODE_POOL_LABEL = "cloud.google.com/gke-nodepool"
 #: Settings the launcher fills in itself.
 RESERVED = ("data_dir", "output_dir")
 
@@ -97,24 +104,32 @@ def build_train_spec(
     annotations: dict[str, str] | None = None,
     extra_env: dict[str, str] | None = None,
     devices_per_worker: int = 0,
+    accelerator: str = "",
+    tpu_topology: str = "",
     queue_name: str = "",
     priority_class: str = "",
 ) -> JAXJobSpec:
-    """The job that trains with `hyperparameters` on `data_dir` into `output_dir`, each of its
-    `replicas` pods with `devices_per_worker` GPUs (the `nvidia.com/gpu` limit; 0: as the
-    task's resources say), in Kueue's `queue_name` at `priority_class` when set. Refused
-    before submission when its mesh does not fit the devices or its memory plan the device
-    (`kubejax.trainer.plan.check_job`)."""
+    """The job that trains with `hyperparameters` on `data_dir` into `output_dir`, on
+    `accelerator` (`place_workers`: `replicas` pods with `devices_per_worker` GPUs, or the hosts
+    of a TPU slice of `tpu_topology`), in Kueue's `queue_name` at `priority_class` when set.
+    `image` empty: kubejax's for the accelerator. Refused before submission when its mesh does
+    not fit the devices or its memory plan the device (`kubejax.trainer.plan.check_job`)."""
     params = {**hyperparameters, "data_dir": data_dir, "output_dir": output_dir}
     cfg = check_hyperparameters(params)
-    pod = task_config_fields(task_config)
-    pod["resources"] = pod_resources(pod, devices_per_worker)
-    check_job(cfg, replicas, pod)
+    replicas, pod, shape = place_workers(
+        task_config_fields(task_config),
+        replicas=replicas,
+        devices_per_worker=devices_per_worker,
+        accelerator=accelerator,
+        tpu_topology=tpu_topology,
+        job=name,
+    )
+    check_job(cfg, replicas, pod, shape)
     env = list(pod.pop("env", []) or [])
     env += [{"name": k, "value": str(v)} for k, v in (extra_env or {}).items()]
     return JAXJobSpec(
         name=name,
-        image=image,
+        image=tpu.image_for(accelerator, image),
         command=TRAINER_COMMAND,
         args=trainer_args(params),
         replicas=replicas,
@@ -141,13 +156,134 @@ def pod_resources(pod: dict, devices_per_worker: int) -> dict:
     return resources
 
 
-def check_job(cfg: TrainConfig, replicas: int, pod: dict) -> None:
-    """The mesh against the job's devices (replicas × the pods' GPUs, one device a CPU pod),
-    the memory plan against the device's memory (`kubejax.trainer.plan.check_job`)."""
+def _limit(pod: dict, resource: str) -> int:
+    return int((pod.get("resources") or {}).get("limits", {}).get(resource) or 0)
+
+
+#: The settings `place_workers` names in its errors, as the components and pipelines call them.
+SETTING_NAMES = {
+    "accelerator": "accelerator",
+    "tpu_topology": "tpu_topology",
+    "replicas": "replicas",
+    "devices_per_worker": "devices_per_worker",
+    "gpus_per_worker": "gpus_per_worker",
+}
+
+
+def place_workers(
+    pod: dict,
+    *,
+    replicas: int,
+    devices_per_worker: int = 0,
+    accelerator: str = "",
+    tpu_topology: str = "",
+    job: str = "",
+    names: dict[str, str] | None = None,
+) -> tuple[int, dict, tpu.SliceShape | None]:
+    """The job's worker count, its pods' settings (`task_config_fields`) and its TPU slice
+    (None off TPUs), from the accelerator settings (`kubejax.tpu`):
+
+    - `nvidia` (or empty): as before, `devices_per_worker` GPUs a pod (0: the task's own
+      resources; no GPUs: one CPU device a pod);
+    - `cpu`: no GPUs at all (the task's or `devices_per_worker`);
+    - a TPU type: the slice of `tpu_topology`, one worker a host (`replicas` 0 or the slice's
+      hosts), `google.com/tpu` the chips of a host (`devices_per_worker` or the task's limit 0,
+      or one of the type's host shapes), GKE's node selectors and the TPU taint's toleration,
+      and on several hosts every pod of `job` in one node pool (`one_node_pool`); no GPUs.
+
+    `replicas` 0 off TPUs means one worker. TPUError names the setting that contradicts, by
+    its name in `names` (SETTING_NAMES' keys; the components' names by default)."""
+    said = {**SETTING_NAMES, **(names or {})}
+    name = tpu.check_accelerator(accelerator, said["accelerator"])
+    if devices_per_worker < 0:
+        raise ConfigError(
+            f"{said['devices_per_worker']}: must be 0 or more, got {devices_per_worker}"
+        )
+    pod = dict(pod)
+    gpus = _limit(pod, GPU)
+    if name not in tpu.TPU_TYPES:
+        if tpu_topology:
+            # A topology needs a TPU type: this raises, naming the choices.
+            tpu.tpu_slice(name, tpu_topology, setting=said["tpu_topology"])
+        if name == tpu.CPU and (devices_per_worker or gpus):
+            raise tpu.TPUError(
+                f"{said['gpus_per_worker']}: accelerator cpu takes no GPUs, but the workers ask "
+                f"{devices_per_worker or gpus} {GPU}; set it to 0, or accelerator nvidia"
+            )
+        pod["resources"] = pod_resources(pod, devices_per_worker)
+        return replicas or 1, pod, None
+    if gpus:
+        raise tpu.TPUError(
+            f"{said['gpus_per_worker']}: accelerator {name} takes no GPUs, but the workers ask "
+            f"{GPU}: {gpus}; set it to 0"
+        )
+    shape = tpu.tpu_slice(
+        name,
+        tpu_topology,
+        devices_per_worker or _limit(pod, tpu.RESOURCE),
+        setting=said["tpu_topology"],
+        host_setting=said["devices_per_worker"],
+    )
+    workers = tpu.workers(shape, replicas, said["replicas"])
+    selector = dict(pod.get("node_selector") or {})
+    for key, value in shape.node_selector.items():
+        if selector.get(key, value) != value:
+            raise tpu.TPUError(
+                f"worker_node_selector: {key}={selector[key]} contradicts accelerator {name} "
+                f"and {said['tpu_topology']} {shape.topology} ({key}={value}); leave it out"
+            )
+    pod["node_selector"] = {**selector, **shape.node_selector}
+    resources = dict(pod.get("resources") or {})
+    resources["limits"] = {**resources.get("limits", {}), tpu.RESOURCE: shape.chips_per_host}
+    pod["resources"] = resources
+    tolerations = list(pod.get("tolerations") or [])
+    pod["tolerations"] = tolerations + ([] if TPU_TOLERATION in tolerations else [TPU_TOLERATION])
+    if shape.hosts > 1 and job:
+        pod["affinity"] = one_node_pool(pod.get("affinity"), job)
+    return workers, pod, shape
+
+
+def one_node_pool(affinity: dict | None, job: str) -> dict:
+    """`affinity` with every pod of `job` required in one GKE node pool: a multi-host slice is
+    one node pool, and a node selector on type and topology alone would let the workers of
+    one job land on two slices of the same shape (whose chips share no interconnect)."""
+    affinity = dict(affinity or {})
+    pod_affinity = dict(affinity.get("podAffinity") or {})
+    term = {
+        "labelSelector": {"matchLabels": {f"{LABEL_PREFIX}/job-name": job}},
+        "topologyKey": NODE_POOL_LABEL,
+    }
+    required = list(pod_affinity.get("requiredDuringSchedulingIgnoredDuringExecution") or [])
+    pod_affinity["requiredDuringSchedulingIgnoredDuringExecution"] = [*required, term]
+    return {**affinity, "podAffinity": pod_affinity}
+
+
+def check_mesh(cfg: TrainConfig, shape: tpu.SliceShape) -> None:
+    """The mesh against a TPU slice's chips, the refusal naming the slice."""
+    from kubejax.trainer import sharding  # JAX: only when checking
+
+    try:
+        sharding.parse_mesh(cfg.mesh, shape.chips)
+    except sharding.MeshError as err:
+        raise InfeasibleError(f"{err}; the slice is {shape.describe()}") from err
+
+
+def check_job(
+    cfg: TrainConfig, replicas: int, pod: dict, shape: tpu.SliceShape | None = None
+) -> None:
+    """The mesh against the job's devices (replicas × the pods' GPUs or TPU chips, one device a
+    CPU pod; on a TPU slice, named with it), the memory plan against the device's memory
+    (`kubejax.trainer.plan.check_job`, which reads the chip's from the TPU node selector)."""
     from kubejax.trainer import plan  # JAX, for the mesh and the shapes: only when checking
 
-    gpus = int((pod.get("resources") or {}).get("limits", {}).get(GPU, 0))
-    plan.check_job(cfg, replicas, gpus, pod.get("node_selector"))
+    if shape is not None:
+        check_mesh(cfg, shape)
+    plan.check_job(cfg, replicas, devices_per_pod(pod), pod.get("node_selector"))
+
+
+def devices_per_pod(pod: dict) -> int:
+    """The devices of one pod: its GPUs or TPU chips (0: a CPU pod, one device)."""
+    return _limit(pod, GPU) or _limit(pod, tpu.RESOURCE)
 
 
 def kfp_labels(run_id: str, task: str) -> tuple[dict, dict]:

@@ -14,7 +14,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from kubejax import monitoring, report, tracking
+from kubejax import monitoring, report, tpu, tracking
 from kubejax.jobs.client import JAXJobClient
 from kubejax.jobs.launch import run_job
 from kubejax.jobs.spec import job_name
@@ -33,7 +33,6 @@ from kubejax.launchers.common import (
 )
 from kubejax.outputs import METRICS_FILE, MODEL_DIR
 from kubejax.trainer.config import ConfigError
-from kubejax.version import IMAGE
 
 #: The figures the train step reports in the KFP UI (metrics.json's `final`).
 FINAL_METRICS = (
@@ -55,7 +54,9 @@ def train_with_jaxjob(
     hyperparameters: dict[str, Any],
     replicas: int = 1,
     devices_per_worker: int = 0,
-    image: str = IMAGE,
+    accelerator: str = "nvidia",
+    tpu_topology: str = "",
+    image: str = "",
     backend: str = "auto",
     timeout: float = 24 * 3600,
     workspace: str = "",
@@ -70,7 +71,9 @@ def train_with_jaxjob(
     priority_class: str = "",
     log=print,
 ) -> dict:
-    """Run training as a job and put the final model folder at `model_path`.
+    """Run training as a job and put the final model folder at `model_path`: `replicas`
+    workers of `devices_per_worker` GPUs, or on `accelerator` a TPU slice of `tpu_topology`
+    (`kubejax.launchers.common.place_workers`); `image` empty: kubejax's for the accelerator.
 
     Returns the job's metrics.json (`final`, `train`, `evals`, ...) plus `job_name` and
     `output_dir`.
@@ -104,10 +107,16 @@ def train_with_jaxjob(
         annotations=annotations,
         extra_env=worker_env(workspace, tracking.resolve_uri(mlflow_tracking_uri)),
         devices_per_worker=devices_per_worker,
+        accelerator=accelerator,
+        tpu_topology=tpu_topology,
         queue_name=queue_name,
         priority_class=priority_class,
     )
-    log(f"kubejax: launching {client.kind} {name} ({replicas} worker(s), {client.engine} engine)")
+    on = f", {accelerator} {tpu_topology}" if tpu.is_tpu(accelerator) else ""
+    log(
+        f"kubejax: launching {client.kind} {name} ({spec.replicas} worker(s){on}, "
+        f"{client.engine} engine)"
+    )
     run_job(client, spec, timeout=timeout + 60, delete=delete, log=log)
     metrics = json.loads((output_dir / METRICS_FILE).read_text())
     copytree(output_dir / MODEL_DIR, Path(model_path))
@@ -144,9 +153,14 @@ def train_task(
     renamed = {"timeout_seconds": "timeout", "workspace_path": "workspace"}
     launch = {renamed.get(k, k): v for k, v in launch.items()}
     best = dict(best_params or {})
+    # On a TPU the slice sets the final training's workers and chips: a searched resource of
+    # the trials' (maybe smaller) slice does not carry over.
+    on_tpu = tpu.is_tpu(launch.get("accelerator", ""))
     for resource in ("replicas", "devices_per_worker"):
         if resource in best:
-            launch[resource] = int(best.pop(resource))
+            value = int(best.pop(resource))
+            if not on_tpu:
+                launch[resource] = value
     hp = {**with_settings(hyperparameters or {}, **settings), **best}
     hp["model"] = base_model
     hp.setdefault("mlflow_experiment", mlflow_experiment)
@@ -154,7 +168,7 @@ def train_task(
         dataset_path=dataset_path,
         model_path=model_path,
         hyperparameters=hp,
-        image=image or IMAGE,
+        image=image,
         log=log_to_stdout,
         **launch,
     )
