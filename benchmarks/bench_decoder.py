@@ -88,8 +88,8 @@ def ours(
     from kubejax.models.decoder import DecoderConfig
     from kubejax.trainer import distributed
     from kubejax.trainer.config import TrainConfig
+    from kubejax.trainer.optimizer import make_optimizer
     from kubejax.trainer.steps import make_train_step
-    from kubejax.trainer.train import make_optimizer
 
     cfg = DecoderConfig.from_dict(QWEN25_05B)
     model = decoder_weights.build(cfg, "classification", LABELS)

@@ -121,8 +121,10 @@ def step_seconds_by_length(model: str, data: Path, batch: int, lengths: list[int
     from kubejax.data import dataset
     from kubejax.trainer import distributed
     from kubejax.trainer.config import TrainConfig
+    from kubejax.trainer.inputs import load_data
+    from kubejax.trainer.model_setup import build_model
+    from kubejax.trainer.optimizer import make_optimizer
     from kubejax.trainer.steps import make_train_step
-    from kubejax.trainer.train import build_model, load_data, make_optimizer
 
     cfg = TrainConfig(
         model=model, data_dir=str(data), output_dir="unused", dropout=0.1,

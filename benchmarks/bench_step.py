@@ -45,7 +45,8 @@ def measure(args: argparse.Namespace) -> dict:
 
     from kubejax.trainer import distributed, steps
     from kubejax.trainer.config import TrainConfig
-    from kubejax.trainer.train import classifier_for, make_optimizer
+    from kubejax.trainer.model_setup import classifier_for
+    from kubejax.trainer.optimizer import make_optimizer
 
     cfg = TrainConfig(
         model=args.model or default_model(), data_dir="-", output_dir="-",

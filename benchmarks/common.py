@@ -177,3 +177,22 @@ def run_json(args: list[str], env: dict | None = None) -> dict:
     if proc.returncode != 0:
         raise RuntimeError(f"{' '.join(args)} failed:\n{proc.stderr[-3000:]}")
     return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+#: A tokenizer's own files (no config.json).
+TOKENIZER_FILES = (
+    "tokenizer.json", "vocab.txt", "tokenizer_config.json", "special_tokens_map.json"
+)  # fmt: skip
+
+
+def tokenizer_alone(tokenizer: str | Path, work: Path) -> Path:
+    """A copy of a tokenizer folder's tokenizer files without its model's config.json, in
+    `work`: the benchmarks' scratch decoders read its ids at lengths its own model's positions
+    do not reach (MiniLM's 512), which `kubejax prepare` checks a folder's config against."""
+    folder = work / "tokenizer"
+    if not folder.is_dir():
+        folder.mkdir(parents=True)
+        for name in TOKENIZER_FILES:
+            if (Path(tokenizer) / name).is_file():
+                shutil.copy(Path(tokenizer) / name, folder / name)
+    return folder

@@ -201,3 +201,35 @@ def test_the_step_benchmark_refuses_a_step_count_below_one(tmp_path):
     assert run.returncode == 2
     assert "--steps: must be at least 1, got 0" in run.stderr
     assert run.stdout == ""
+
+
+def test_the_gpu_benchmark_prepares_2048_tokens_with_minilms_tokenizer(tmp_path, minilm_dir):
+    """The decoder case's 2,048-token rows: MiniLM's model has 512 positions, which its
+    tokenizer folder's config would impose on the preparation (it stopped bench/gpu.sh before
+    measuring); the benchmark prepares with the tokenizer's files alone."""
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    import bench_gpu
+
+    data = bench_gpu.prepared(str(minilm_dir), 2048, 4, tmp_path)
+    meta = json.loads((data / "metadata.json").read_text())
+    assert meta["splits"]["train"]["length_max"] == 2048
+
+
+def test_the_tpu_benchmark_counts_flops_and_writes_its_table():
+    """bench/tpu.sh's figures: the FLOP count of each case (6·N, LoRA 4·N, + 12·L·H·T) and the
+    table written from a run's results (bench/tpu-results.json, measured on the chip)."""
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    import bench_tpu
+
+    qwen = bench_tpu.QWEN_05B
+    n = bench_tpu.non_embedding_params(qwen)
+    assert n == 357_826_560  # Qwen2.5-0.5B: 494.0 M with its 136.2 M-entry embedding table
+    assert bench_tpu.flops_per_token(qwen, 2048, lora=False) == 6 * n + 12 * 24 * 896 * 2048
+    assert bench_tpu.flops_per_token(qwen, 2048, lora=True) == 4 * n + 12 * 24 * 896 * 2048
+    assert bench_tpu.non_embedding_params(bench_tpu.LLAMA_1B) == 973_078_528
+    names = [case.name for case in bench_tpu.cases()]
+    assert len(set(names)) == len(names) >= 7
+    result = json.loads((ROOT / "bench" / "tpu-results.json").read_text())
+    table = bench_tpu.markdown(result)
+    assert table == (ROOT / "bench" / "tpu-results.md").read_text()
+    assert table.count("\n| ") == len(result["cases"]) + 2  # the header, its rule, the rows
