@@ -1,13 +1,16 @@
 """The LLM pipeline: a decoder fine-tuned with LoRA, tuned first.
 
-prepare → tune sweep (learning rate, LoRA rank and alpha; trials the memory plan says cannot
-fit are skipped) → train with the best settings (LoRA on a frozen base, sharded over the
-workers' GPUs) → evaluate → register the merged model. The same components as the Yelp
-pipelines: a pipeline of its own because every default differs (a decoder base, the task
-causal-lm, LoRA, bfloat16 weights, GPU workers with an FSDP mesh, a search space over what
-matters for adapters), and a user of the BERT pipeline should not meet a dozen settings that do
-nothing for BERT. Defaults suit a cluster; `kubejax run --local --profile llm` overrides them for
-this machine.
+prepare → tune sweep (learning rate, LoRA rank and alpha; its first trial the pipeline's own
+settings, which the final training keeps unless a trial beats them beyond the evaluations'
+noise; trials the memory plan says cannot fit are skipped) → train with the chosen settings
+(LoRA on a frozen base, sharded over the workers' GPUs) → evaluate → register the merged
+model. The same components as the Yelp pipelines: a pipeline of its own because every default
+differs (a decoder base, the task causal-lm, LoRA, bfloat16 weights, GPU workers with an FSDP
+mesh, a search space over what matters for adapters), and a user of the BERT pipeline should
+not meet a dozen settings that do nothing for BERT. Defaults suit a cluster; `kubejax run
+--local` overrides them for this machine. On TPUs (`accelerator`, `tpu_topology`,
+`trial_tpu_topology`) the trials may take a smaller slice than the final training:
+docs/tpu.md.
 """
 
 import json
@@ -22,8 +25,6 @@ from kubejax.pipelines.yelp import (
     _sweep,
     _train_and_evaluate,
 )
-
-from kubejax.version import IMAGE
 
 LLM_SPACE = json.dumps(
     {
@@ -90,15 +91,18 @@ def llm_pipeline(
     trial_replicas: int = 1,
     trial_gpus_per_worker: int = 1,
     trial_mesh: str = "",
+    trial_tpu_topology: str = "",
     train_hyperparameters: dict = LLM_TRAIN_HP,
     replicas: int = 2,
     gpus_per_worker: int = 4,
     mesh: str = "fsdp=-1",
+    accelerator: str = "nvidia",
+    tpu_topology: str = "",
     worker_node_selector: dict = ANY_NODE,
     worker_tolerations: list = NO_TOLERATIONS,
     queue_name: str = "",
     priority_class: str = "",
-    image: str = IMAGE,
+    image: str = "",
     backend: str = "auto",
     timeout_seconds: int = 86400,
     mlflow_tracking_uri: str = "",
@@ -149,17 +153,26 @@ def llm_pipeline(
         trial_replicas: Workers per trial (unless searched).
         trial_gpus_per_worker: nvidia.com/gpu limit of each trial worker.
         trial_mesh: Device mesh of every trial (see mesh).
+        trial_tpu_topology: The TPU slice of every trial, e.g. 2x4 while the final training
+            takes 4x4; required with a TPU accelerator.
         train_hyperparameters: Trainer settings of the final training (the best params win).
-        replicas: Workers of the final training.
-        gpus_per_worker: nvidia.com/gpu limit of each worker of the final training.
-        mesh: Device mesh of the final training over replicas × gpus_per_worker devices;
-            "fsdp=-1" shards the frozen base over all of them.
+        replicas: Workers of the final training; on a TPU, 0 or the slice's hosts.
+        gpus_per_worker: nvidia.com/gpu limit of each worker of the final training (0 on a
+            TPU).
+        mesh: Device mesh of the final training over replicas × gpus_per_worker devices (a
+            TPU slice's chips); "fsdp=-1" shards the frozen base over all of them.
+        accelerator: nvidia (GPU workers), cpu, or a GKE TPU type (tpu-v5-lite-podslice,
+            tpu-v5p-slice, tpu-v6e-slice, tpu-v4-podslice): every worker a host of a slice,
+            with its chips, GKE's node selectors and kubejax's TPU image; the memory plan
+            checks the chip's memory. Set the GPU counts to 0 and the worker counts to 0.
+        tpu_topology: The final training's TPU slice, e.g. 4x4; required on a TPU.
         worker_node_selector: Node labels every worker pod requires (a GPU pool's; its
             `nvidia.com/gpu.product` gives the memory plan the GPU's memory).
         worker_tolerations: Tolerations of every worker pod.
         queue_name: Kueue LocalQueue of every training and trial job (see kubejax-yelp).
         priority_class: Kueue WorkloadPriorityClass of those jobs.
-        image: The kubejax image of every step and worker.
+        image: The image of every training and trial worker; empty: kubejax's of this
+            version for the accelerator (its TPU variant on a TPU).
         backend: auto, trainjob, jaxjob, kubernetes or local.
         timeout_seconds: Limit of the final training job.
         mlflow_tracking_uri: MLflow tracking URI (credentials come from the secret).
@@ -187,7 +200,7 @@ def llm_pipeline(
                  "worker_tolerations": worker_tolerations}  # fmt: skip
     queue = {"queue_name": queue_name, "priority_class": priority_class}
     common = {"base_model": base_model, "image": image, "backend": backend,
-              "mlflow_tracking_uri": mlflow_tracking_uri,
+              "accelerator": accelerator, "mlflow_tracking_uri": mlflow_tracking_uri,
               "mlflow_experiment": mlflow_experiment}  # fmt: skip
     sweep = _sweep(
         prep.outputs["dataset"],
@@ -198,6 +211,8 @@ def llm_pipeline(
         **adapters,
         search_space=search_space,
         hyperparameters=trial_hyperparameters,
+        # The final training's settings: the sweep's first trial, kept unless beaten.
+        default_settings=train_hyperparameters,
         objective=objective,
         direction=direction,
         tuner=tuner,
@@ -210,6 +225,7 @@ def llm_pipeline(
         seed=seed,
         replicas=trial_replicas,
         mesh=trial_mesh,
+        tpu_topology=trial_tpu_topology,
     )
     evaluated = _train_and_evaluate(
         prep.outputs["dataset"],
@@ -221,6 +237,7 @@ def llm_pipeline(
         best_params=sweep.outputs["best_params"],
         replicas=replicas,
         mesh=mesh,
+        tpu_topology=tpu_topology,
         gpus_per_worker=gpus_per_worker,
         timeout_seconds=timeout_seconds,
     )

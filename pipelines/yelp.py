@@ -304,6 +304,7 @@ def yelp_pipeline(
         base_model=base_model,
         search_space=search_space,
         hyperparameters=trial_hyperparameters,
+        default_settings=train_hyperparameters,
         objective=objective,
         direction=direction,
         tuner=tuner,

@@ -177,7 +177,8 @@ def _component_call(which: str, f):
     if which == "tune":
         return lambda: tune.tune_sweep.python_func(
             dataset=_artifact(f.data), trials=_artifact(out / "trials"),
-            report=_artifact(out / "r.html"), metrics=SimpleNamespace(log_metric=lambda *a: None),
+            report=_artifact(out / "r.html"), summary=_artifact(out / "s.md"),
+            metrics=SimpleNamespace(log_metric=lambda *a: None),
             base_model=str(f.model), search_space='{"learning_rate": {"type": "int"}}',
             backend="local",
         )  # fmt: skip

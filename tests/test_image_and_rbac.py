@@ -186,7 +186,9 @@ def _katib_requests(tmp_path) -> set[tuple[str, str]]:
     from tests.test_katib import DONE, TRIALS
 
     space = {"learning_rate": {"type": "float", "low": 1e-5, "high": 1e-3}}
-    cfg = SweepConfig(space=space, tuner="katib", study_name="sweep-a", poll_seconds=0.05)
+    # With the defaults' trial, which the launcher creates itself (and deletes on cancel).
+    cfg = SweepConfig(space=space, tuner="katib", study_name="sweep-a", poll_seconds=0.05,
+                      defaults={"learning_rate": 1e-4})  # fmt: skip
     factory = trainer_trial_spec(
         image="i", replicas=1, data_dir="/d", hyperparameters={"model": "m"}
     )

@@ -183,7 +183,8 @@ def test_what_katib_cannot_run_is_refused_in_one_line_before_anything(tmp_path, 
     assert not (tmp_path / "o" / "trials").exists()
 
 
-def _trial(name: str, lr: str, state: str, accuracy: str | None, start: str, end: str) -> dict:
+def _trial(name: str, lr: str, state: str, accuracy: str | None, start: str, end: str,
+           rank: str = "8", warmup: str = "0.05") -> dict:  # fmt: skip
     metrics = [] if accuracy is None else [
         {"name": "eval_accuracy", "latest": accuracy, "min": "0.1", "max": accuracy},
         {"name": "eval_loss", "latest": "1.2", "min": "1.2", "max": "1.6"},
@@ -192,8 +193,8 @@ def _trial(name: str, lr: str, state: str, accuracy: str | None, start: str, end
         "metadata": {"name": name, "creationTimestamp": start,
                      "labels": {katib.EXPERIMENT_LABEL: "sweep-a"}},
         "spec": {"parameterAssignments": [
-            {"name": "learning_rate", "value": lr}, {"name": "warmup_ratio", "value": "0.05"},
-            {"name": "lora_rank", "value": "8"}, {"name": "optimizer", "value": "adamw"}]},
+            {"name": "learning_rate", "value": lr}, {"name": "warmup_ratio", "value": warmup},
+            {"name": "lora_rank", "value": rank}, {"name": "optimizer", "value": "adamw"}]},
         "status": {"conditions": [{"type": "Created", "status": "True"},
                                   {"type": state, "status": "True"}],
                    "observation": {"metrics": metrics},
@@ -201,7 +202,12 @@ def _trial(name: str, lr: str, state: str, accuracy: str | None, start: str, end
     }  # fmt: skip
 
 
+#: The trainer's defaults for SPACE (learning_rate 5e-5, warmup_ratio 0.1, lora_rank 16,
+#: optimizer adamw): the Trial kubejax creates before the Experiment, its oldest.
+DEFAULTS = {"learning_rate": 5e-5, "warmup_ratio": 0.1, "lora_rank": 16, "optimizer": "adamw"}
 TRIALS = [
+    _trial("sweep-a-defaults", "5e-05", "Succeeded", "0.65", "2026-12-05T09:59:59Z",
+           "2026-12-05T10:04:30Z", rank="16", warmup="0.1"),
     _trial("sweep-a-aaaa", "0.0001", "Succeeded", "0.62", "2026-12-05T10:00:00Z",
            "2026-12-05T10:05:00Z"),
     _trial("sweep-a-bbbb", "0.0005", "Succeeded", "0.71", "2026-12-05T10:00:01Z",
@@ -210,7 +216,7 @@ TRIALS = [
            "2026-12-05T10:06:00Z"),
 ]  # fmt: skip
 DONE = {
-    "trials": 3, "trialsSucceeded": 2, "trialsEarlyStopped": 1,
+    "trials": 4, "trialsSucceeded": 3, "trialsEarlyStopped": 1,
     "conditions": [{"type": "Created", "status": "True"},
                    {"type": "Succeeded", "status": "True", "reason": "ExperimentMaxTrialsReached"}],
     "currentOptimalTrial": {"bestTrialName": "sweep-a-bbbb", "parameterAssignments": []},
@@ -229,6 +235,8 @@ def _trainers(trials_root: Path, tracking_uri: str):
     import mlflow
 
     def on_create(body: dict):
+        if body["kind"] == "Trial":  # the defaults' Trial: the Experiment's trials come next
+            return
         args = body["spec"]["trialTemplate"]["trialSpec"]["spec"]["trainer"]["args"]
         parent = args[args.index("--mlflow-parent-run-id") + 1]
         client = mlflow.MlflowClient(tracking_uri)
@@ -265,23 +273,28 @@ def test_fake_katib_sweep_gives_the_optuna_paths_outputs(tmp_path, monkeypatch):
               "hyperparameters": {"model": "m"}, "backend": "kubernetes", "replicas": 2,
               "mlflow_tracking_uri": uri, "log": lines.append}  # fmt: skip
         result, parent = sweep_with_jaxjobs(_cfg(), **kw)
-        assert fake.count("POST", "/experiments") == 1
+        assert fake.count("POST", "/experiments") == 1 and fake.count("POST", "/trials") == 1
+        kinds = [b["kind"] for b in fake.bodies if b["kind"] in ("Trial", "Experiment")]
+        assert kinds == ["Trial", "Experiment"]  # Katib's controller finds it at its first look
         body = next(b for b in fake.bodies if b["kind"] == "Experiment")
         katib.check_experiment(body)
         assert body["metadata"]["namespace"] == "default"  # the kubeconfig context's
         sweep_with_jaxjobs(_cfg(), **kw)  # a retried step: the same Experiment
-        assert fake.count("POST", "/experiments") == 1
+        assert fake.count("POST", "/experiments") == 1 and fake.count("POST", "/trials") == 1
     assert any("re-attached to Katib Experiment default/sweep-a" in line for line in lines)
     assert any("trials 2 created, 2 running" in line for line in lines)
     assert result.best_params == {"learning_rate": 0.0005, "warmup_ratio": 0.05,
                                   "lora_rank": 8, "optimizer": "adamw"}  # fmt: skip
-    assert result.best_value == 0.71 and result.best_trial == 1
-    assert result.counts == {"complete": 2, "pruned": 1, "failed": 0}
-    assert result.trials[0]["worker_seconds"] == 2 * 300.0 and result.trial_steps == 150
-    assert result.trials[1]["intermediate"] == {"25": 0.5, "50": 0.6}
+    assert result.best_value == 0.71 and result.best_trial == 2
+    assert result.defaults_trial == 0 and result.trials[0]["params"] == DEFAULTS
+    assert result.choice == "best" and result.gain == pytest.approx(0.06)
+    assert result.chosen_params == result.best_params
+    assert result.counts == {"complete": 3, "pruned": 1, "failed": 0}
+    assert result.trials[1]["worker_seconds"] == 2 * 300.0 and result.trial_steps == 200
+    assert result.trials[2]["intermediate"] == {"25": 0.5, "50": 0.6}
     write_trials(result, tmp_path / "trials.json")
     write_report(result, _cfg(), tmp_path / "report.html")
-    assert json.loads((tmp_path / "trials.json").read_text())["trials"][1]["job"] == "sweep-a-bbbb"
+    assert json.loads((tmp_path / "trials.json").read_text())["trials"][2]["job"] == "sweep-a-bbbb"
     assert "learning_rate" in (tmp_path / "report.html").read_text()
     client = mlflow.MlflowClient(uri)
     nested = client.search_runs(
@@ -289,8 +302,42 @@ def test_fake_katib_sweep_gives_the_optuna_paths_outputs(tmp_path, monkeypatch):
         f"tags.mlflow.parentRunId = '{parent}'",
     )
     states = sorted(r.data.tags.get("kubejax.trial_state") for r in nested)
-    assert states == ["complete", "complete", "pruned"]
-    assert client.get_run(parent).data.params["best.learning_rate"] == "0.0005"
+    assert states == ["complete", "complete", "complete", "pruned"]
+    sweep_run = client.get_run(parent).data
+    assert sweep_run.params["best.learning_rate"] == "0.0005"
+    assert sweep_run.metrics["defaults_value"] == 0.65 and sweep_run.metrics["kept_defaults"] == 0
+    assert sweep_run.tags["kubejax.sweep_choice"] == "best"
+
+
+def test_the_defaults_trial_is_the_trial_katib_would_make_of_them():
+    """The defaults' Trial as Katib's controller builds one from a suggestion: labelled into
+    the Experiment, its objective, collector, primary pod and conditions, every placeholder
+    of the template filled with the defaults (the trainer reads them back) and its name."""
+    cfg = _cfg()
+    manifest, flags = trial_job(cfg, _factory(), "trainjob", "/ws/trials")
+    exp = katib.experiment(cfg, "sweep-a", manifest, "trainjob", flags)
+    trial = katib.defaults_trial(exp, DEFAULTS)
+    assert trial["kind"] == "Trial" and trial["metadata"]["name"] == "sweep-a-defaults"
+    assert trial["metadata"]["labels"][katib.EXPERIMENT_LABEL] == "sweep-a"
+    spec, template = trial["spec"], exp["spec"]["trialTemplate"]
+    assert spec["objective"] == exp["spec"]["objective"]
+    assert spec["metricsCollector"] == {"collector": {"kind": "StdOut"}}
+    for key in ("primaryPodLabels", "primaryContainerName", "successCondition",
+                "failureCondition"):  # fmt: skip
+        assert spec[key] == template[key], key
+    assigned = {a["name"]: a["value"] for a in spec["parameterAssignments"]}
+    assert assigned == {"learning_rate": "5e-05", "warmup_ratio": "0.1", "lora_rank": "16",
+                        "optimizer": "adamw"}  # fmt: skip
+    job = spec["runSpec"]
+    assert "${trialParameters" not in json.dumps(job)
+    assert job["metadata"]["name"] == "sweep-a-defaults"
+    crd = DATA / "trainer-v2.3.0" / "trainer.kubeflow.org_trainjobs.yaml"
+    jsonschema.validate(job, _crd_schema(crd, "v1alpha1"))
+    args = job["spec"]["trainer"]["args"]
+    in_pod = TrainConfig(**vars(trainer_parser().parse_args(args)))
+    assert (in_pod.learning_rate, in_pod.warmup_ratio, in_pod.lora_rank) == (5e-5, 0.1, 16)
+    assert in_pod.output_dir == "/ws/trials/sweep-a-defaults"
+    assert in_pod.mlflow_run_name == "trial-sweep-a-defaults"
 
 
 def test_fake_failed_experiment_reaches_the_user_in_one_line(tmp_path, monkeypatch):
@@ -318,4 +365,6 @@ def test_fake_cancelled_sweep_deletes_its_experiment(tmp_path, monkeypatch):
                                hyperparameters={"model": "m"}, backend="kubernetes",
                                log=lambda _: None)  # fmt: skip
         assert exit_.value.code == 143
-        assert fake.count("DELETE", "/experiments/sweep-a") == 1 and fake.experiments == {}
+        assert fake.count("DELETE", "/experiments/sweep-a") == 1
+        assert fake.count("DELETE", "/trials/sweep-a-defaults") == 1  # it has no owner
+        assert fake.experiments == {}  # the fake keeps Trials posted beside Experiments

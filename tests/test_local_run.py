@@ -3,10 +3,18 @@
 from __future__ import annotations
 
 import io
+import json
 
 import pytest
 
-from kubejax.local_run import PROFILES, RunLog, choose_profile, describe_budget, embedded_params
+from kubejax.local_run import (
+    PROFILES,
+    RunLog,
+    choose_profile,
+    describe_budget,
+    embedded_params,
+    local_args,
+)
 
 PROFILE_CASES = [
     ("embedded data, no profile", None, {}, "demo"),
@@ -54,7 +62,7 @@ def test_budget_line_says_what_applies(tmp_path):
     quick = describe_budget("quick", embedded_params(tmp_path, "quick"))
     assert "final training 1 epoch(s)" in quick and "validation ≤ 1000 rows" in quick
     assert "every row of every split" in describe_budget("full", embedded_params(tmp_path, "full"))
-    llm = describe_budget("llm", embedded_params(tmp_path, "llm"))
+    llm = describe_budget("llm", embedded_params(tmp_path, "llm", "kubejax-llm"))
     assert llm.startswith("budget: profile llm: max_length 64; 2 trials × 12 steps")
     assert set(PROFILES) == {"demo", "quick", "full", "llm"}
 
@@ -117,3 +125,73 @@ def test_run_log_verbose_shows_everything(tmp_path):
     with RunLog(tmp_path / "run.log", terminal, verbose=True):
         print(KFP_LINES, end="")
     assert terminal.getvalue() == KFP_LINES
+
+
+LLM_SPACE_NAMES = {"learning_rate", "lora_rank", "lora_alpha"}
+
+
+@pytest.mark.parametrize("profile", ["quick", "full"])
+def test_a_local_llm_run_searches_the_llm_space_with_the_pipelines_lora_defaults(tmp_path, profile):
+    """quick and full on the LLM pipeline keep its search space (learning rate, LoRA rank and
+    alpha), its LoRA settings and learning rate (2e-4, not the encoder budgets' 1e-4 or
+    5e-5), with the profile's length and batch; the encoder pipeline keeps the encoder's."""
+    from kubejax.pipelines.catalog import PIPELINES
+    from kubejax.pipelines.llm import LLM_TRAIN_HP
+
+    own = ["source=reviews.csv", "base_model=/models/decoder"]
+    chosen, _, args = local_args(tmp_path, PIPELINES["kubejax-llm"], own, profile)
+    assert chosen == profile
+    assert set(json.loads(args["search_space"])) == LLM_SPACE_NAMES
+    assert "lora_rank" not in args and "lora_alpha" not in args  # the pipeline's 16 and 32
+    train = args["train_hyperparameters"]
+    assert train["learning_rate"] == LLM_TRAIN_HP["learning_rate"] == 2e-4
+    assert train["dtype"] == args["trial_hyperparameters"]["dtype"] == "bfloat16"
+    assert train["max_length"] == PROFILES[profile]["max_length"]
+    assert "learning_rate" not in args["trial_hyperparameters"]  # searched
+    assert args["pruner"] == ("hyperband" if profile == "full" else "median")
+    _, _, encoder = local_args(tmp_path, PIPELINES["kubejax-yelp"], own[:1], profile)
+    assert set(json.loads(encoder["search_space"])) == {"learning_rate", "warmup_ratio"}
+
+
+def test_the_users_search_space_wins_and_the_llm_profile_keeps_the_llm_space(tmp_path):
+    from kubejax.pipelines.catalog import PIPELINES
+
+    llm = PIPELINES["kubejax-llm"]
+    mine = json.dumps({"lora_dropout": {"type": "float", "low": 0.0, "high": 0.2}})
+    own = ["source=reviews.csv", "base_model=/m", f"search_space={mine}"]
+    assert local_args(tmp_path, llm, own, None)[2]["search_space"] == mine
+    chosen, defaults, args = local_args(tmp_path, llm, [], None)  # the embedded decoder
+    assert chosen == "llm" and args["base_model"] == defaults["base_model"]
+    assert set(json.loads(args["search_space"])) == LLM_SPACE_NAMES
+    with pytest.raises(ValueError, match="--profile: demo runs the encoder pipelines"):
+        local_args(tmp_path, llm, [], "demo")
+
+
+BAD_LLM_RUNS = [
+    ("sweep_budget_share=0", "sweep_budget_share: '0' is not in (0, 1]"),
+    ("sweep_budget_share=1.5", "sweep_budget_share: '1.5' is not in (0, 1]"),
+    ('search_space={"lora_ranks": {"type": "int", "low": 4, "high": 8}}',
+     "search_space.lora_ranks: not a setting the trainer takes"),
+    # Every rank's memory plan exceeds the trials' 1 GiB, the defaults' included.
+    ('search_space={"lora_rank": {"type": "categorical", "choices": [100000, 200000]}}',
+     "search_space: no point can run, not even {'lora_rank': 100000} nor the defaults' "
+     "{'lora_rank': 150000}"),
+    ("algorithm=annealing", "algorithm: 'annealing' is not one of"),
+]  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    ("param", "message"), BAD_LLM_RUNS, ids=["zero", "over", "name", "memory", "algorithm"]
+)
+def test_bad_llm_runs_exit_2_in_one_line_before_any_trial(tmp_path, capsys, param, message):
+    from kubejax.cli import main
+
+    trial = json.dumps({"max_steps": 4, "eval_every": 2, "device_memory": "1GiB",
+                        "global_batch_size": 8, "max_length": 64})  # fmt: skip
+    argv = ["run", "--local", "--profile", "llm", "--workdir", str(tmp_path / "run"),
+            "--param", param, "--param", f"trial_hyperparameters={trial}",
+            "--param", "lora_rank=150000"]  # fmt: skip
+    assert main(argv) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and message in err[0], err
+    assert not (tmp_path / "run" / "pipeline-root").exists()  # no step ran

@@ -23,10 +23,10 @@ SECRET_MARKER = "kubejax-secret-marker-5b1f0c"
 
 @pytest.fixture(scope="module")
 def llm_run(tmp_path_factory):
-    """`kubejax run --local --profile llm` (the command a user runs), shortened, started in the
-    background when this module's first pipeline starts, so that the two pipelines' steps
-    overlap on the suite's cores; returns a function that waits for it and gives its workdir,
-    summary and terminal output."""
+    """`kubejax run --local --profile llm` (the command a user runs), shortened, started when
+    a test first asks for it (after the Yelp pipeline's tests: it does not overlap that run,
+    whose work would otherwise double its wall against the budget it printed); returns a
+    function that waits for it and gives its workdir, summary and terminal output."""
     workdir = tmp_path_factory.mktemp("llm") / "run"
     trial = {"max_steps": 4, "eval_every": 2, "log_every": 2, "device_memory": "1GiB",
              "global_batch_size": 8, "max_length": 64, "bucket_multiple": 64,
@@ -36,7 +36,7 @@ def llm_run(tmp_path_factory):
              "learning_rate": 3e-3}  # fmt: skip
     space = {"lora_rank": {"type": "categorical", "choices": [4, 100000]}}
     overrides = [
-        "algorithm=grid", f"search_space={json.dumps(space)}",
+        "algorithm=grid", f"search_space={json.dumps(space)}", "max_trials=3",
         f"trial_hyperparameters={json.dumps(trial)}", f"train_hyperparameters={json.dumps(train)}",
         "max_test_samples=100", "max_validation_samples=64",
     ]  # fmt: skip
@@ -56,7 +56,7 @@ def llm_run(tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
-def local_run(llm_run, tmp_path_factory, tiny_model_dir):
+def local_run(tmp_path_factory, tiny_model_dir):
     from kubejax.local_run import run_local
 
     workdir = tmp_path_factory.mktemp("pipeline") / "run"
@@ -299,26 +299,55 @@ def test_component_yamls_load_for_reuse():
 
 
 def test_the_llm_profile_runs_the_llm_pipeline_with_lora_end_to_end(llm_run):
-    """`kubejax run --local --profile llm`'s pipeline, shortened: a grid of two LoRA ranks
-    where rank 100,000's memory plan exceeds the trials' 1 GiB (pruned before it starts, not
-    failed), rank 4 trained; the final training on 2 workers with the base sharded between
-    them; the merged model evaluated and registered, its PEFT adapter beside it and in the
-    training's MLflow run."""
+    """`kubejax run --local --profile llm`'s pipeline, shortened: the defaults' trial first
+    (the profile's rank 8, which joins the grid of ranks 4 and 100,000), rank 4, and rank
+    100,000, whose memory plan exceeds the trials' 1 GiB (pruned before it starts, not
+    failed); the final training keeps the defaults unless rank 4 beat them beyond the noise,
+    in one process with every core; the merged model evaluated and registered, its PEFT
+    adapter beside it and in the training's MLflow run; the random weights said everywhere."""
     from mlflow.tracking import MlflowClient
+
+    from kubejax.local_run import EMBEDDED_DECODER_NOTE, RANDOM_WEIGHTS_TAG
 
     workdir, summary, printed = llm_run()
     assert summary["pipeline"] == "kubejax-llm" and summary["profile"] == "llm"
-    assert summary["trials"] == {"complete": 1, "pruned": 1, "failed": 0}
-    assert summary["best_params"] == {"lora_rank": 4}
+    assert summary["trials"] == {"complete": 2, "pruned": 1, "failed": 0}
+    sweep = summary["sweep"]
+    assert sweep["defaults_trial"] == 0 and sweep["kept"] in ("defaults", "best")
+    assert (
+        "sweep: search_space.lora_rank: the default 8 joins the choices [4, 100000, 8]" in printed
+    )
+    assert "sweep: trial 0 started" in printed and "{'lora_rank': 8}" in printed
+    assert f"sweep: {sweep['reason']}" in printed
+    kept = 8 if sweep["kept"] == "defaults" else summary["best_params"]["lora_rank"]
     assert isinstance(summary["best_params"]["lora_rank"], int)  # a rank, not 4.0
-    assert "a small Qwen2-shaped decoder with RANDOM weights built here" in printed
-    assert "trial 1 pruned before it started: device_memory: the run needs" in printed
-    assert "kubejax trainer: 2 process(es)" in printed
+    assert summary["base_model_note"] == EMBEDDED_DECODER_NOTE and EMBEDDED_DECODER_NOTE in printed
+    assert "trial 2 pruned before it started: device_memory: the run needs" in printed
+    assert "kubejax trainer: 1 process(es)" in printed
     model = _artifact(workdir, "train", "model")
     config = json.loads((model / "adapter" / "adapter_config.json").read_text())
-    assert config["r"] == 4 and config["task_type"] == "CAUSAL_LM"
+    assert config["r"] == kept and config["task_type"] == "CAUSAL_LM"
     assert (model / "model.safetensors").is_file()
     assert summary["model_uri"].startswith("models:/")
     client = MlflowClient(summary["mlflow_tracking_uri"])
     names = [f.path for f in client.list_artifacts(summary["training_run_id"], "adapter")]
     assert names == ["adapter/adapter_config.json", "adapter/adapter_model.safetensors"]
+    train = client.get_run(summary["training_run_id"])
+    assert train.data.tags["kubejax.base_model_weights"] == RANDOM_WEIGHTS_TAG
+    sweep_run = client.get_run(summary["sweep_run_id"])
+    assert sweep_run.data.tags["kubejax.sweep_choice"] == sweep["kept"]
+    summary_md = _artifact(workdir, "tune-sweep", "summary").read_text()
+    assert "| defaults |" in summary_md and "sweep gain" in summary_md
+
+
+def test_the_llm_runs_budget_is_printed_before_it_and_holds(llm_run):
+    """The budget printed before the run (each step from the model's FLOPs and the matmul
+    measured then, the fixed costs measured for kubejax) is within 30 % of the run's wall."""
+    _, summary, printed = llm_run()
+    before = printed.split("prepare-yelp: started")[0]
+    for step in ("prepare", "sweep", "final training", "evaluation", "register", "total"):
+        assert f"kubejax:   {step}" in before, step
+    assert "matmul measured now" in before and "(2 trials × 4 steps, as given)" in before
+    budget = summary["budget_s"]
+    assert budget["measured_total"] == summary["wall_s"]
+    assert 0.7 <= budget["predicted_total"] / summary["wall_s"] <= 1.3, budget

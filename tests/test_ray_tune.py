@@ -250,3 +250,30 @@ def test_fake_cluster_ray_sweep_runs_trainjob_trials_and_deletes_them(tmp_path, 
     best = max(result.trials, key=lambda t: t["value"])
     assert result.best_params == best["params"] and result.best_value == best["value"]
     assert best["value"] == pytest.approx(2 * best["params"]["learning_rate"])
+
+
+def test_the_defaults_trial_runs_first_and_asha_never_stops_it(tmp_path):
+    """Ray's search evaluates the defaults' point first (`points_to_evaluate`): trial 0, marked;
+    at learning rate 0.01 it is the weakest, yet ASHA lets it run to the end (the reference
+    the sweep's choice weighs the others against)."""
+    from kubejax.tune.controller import SweepResult, decide
+
+    cfg = _cfg(scheduler="asha", max_trials=6, parallelism=6, reduction_factor=3, seed=3,
+               defaults={"learning_rate": 0.01})  # fmt: skip
+    trials, _ = _run(cfg, tmp_path, steps=12)
+    assert len(trials) == 6 and trials[0]["number"] == 0 and trials[0].get("defaults"), trials
+    assert trials[0]["params"] == {"learning_rate": 0.01}
+    assert not any(t.get("defaults") for t in trials[1:])
+    assert trials[0]["state"] == "complete" and trials[0]["steps"] == 12, trials[0]
+    assert any(t["state"] == "pruned" for t in trials), trials
+    best = max((t for t in trials if t["state"] == "complete"), key=lambda t: t["value"])
+    result = decide(SweepResult(best["params"], best["value"], best["number"], trials), cfg)
+    assert result.defaults_trial == 0 and result.choice == "best" and result.gain > 0
+
+
+def test_a_ray_grid_runs_the_defaults_then_the_whole_grid(tmp_path):
+    cfg = _cfg(algorithm="grid", max_trials=8, parallelism=3, defaults={"learning_rate": 0.3},
+               space={"learning_rate": {"type": "categorical", "choices": [0.1, 0.5]}})  # fmt: skip
+    trials, _ = _run(cfg, tmp_path, steps=4)
+    assert trials[0]["params"]["learning_rate"] == 0.3 and trials[0]["defaults"]
+    assert sorted(t["params"]["learning_rate"] for t in trials) == [0.1, 0.3, 0.5]

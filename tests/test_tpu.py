@@ -383,7 +383,9 @@ def test_fake_tpu_sweep_runs_its_trials_as_trainjobs_on_the_trials_slice(
              "final": {"eval_accuracy": lr}}))  # fmt: skip
 
     space = {"learning_rate": {"type": "categorical", "choices": [0.1, 0.2]}}
-    cfg = SweepConfig(space=space, algorithm="grid", max_trials=2, parallelism=2,
+    # Three trials: the defaults' first (the trainer's learning rate joins the space), then
+    # the grid's two points.
+    cfg = SweepConfig(space=space, algorithm="grid", max_trials=3, parallelism=2,
                       study_name="sweep-tpu", storage=f"sqlite:///{tmp_path / 's.db'}",
                       poll_seconds=0.05)  # fmt: skip
     script = [[], [condition("Complete", kind="TrainJob")]]
@@ -397,7 +399,7 @@ def test_fake_tpu_sweep_runs_its_trials_as_trainjobs_on_the_trials_slice(
             tpu_topology="2x4", backend="kubernetes", log=lambda _: None,
         )  # fmt: skip
         bodies = [b for b in fake.bodies if b.get("kind") == "TrainJob"]
-    assert len(bodies) == 2
+    assert len(bodies) == 3
     for body in bodies:
         jsonschema.validate(body, trainjob_schema)
         assert unknown_fields(body, trainjob_schema) == []
@@ -405,7 +407,8 @@ def test_fake_tpu_sweep_runs_its_trials_as_trainjobs_on_the_trials_slice(
         assert body["spec"]["trainer"]["numNodes"] == 1
         assert body["spec"]["trainer"]["resourcesPerNode"] == {"limits": {"google.com/tpu": 8}}
         assert _pod_of_trainjob(body)["nodeSelector"][tpu.TOPOLOGY_LABEL] == "2x4"
-    assert result.counts == {"complete": 2, "pruned": 0, "failed": 0}
+    assert result.counts == {"complete": 3, "pruned": 0, "failed": 0}
+    assert result.trial(result.defaults_trial)["number"] == 0
     assert result.best_params == {"learning_rate": 0.2}
 
 

@@ -255,6 +255,7 @@ def test_real_sweep_of_the_trainer_4_trials_2_parallel(
         "max_eval_examples": 64,
         "eval_batch_size": 32,
     }
+    lines: list[str] = []
     result, parent = sweep_with_jaxjobs(
         cfg,
         data_dir=str(prepared),
@@ -264,10 +265,22 @@ def test_real_sweep_of_the_trainer_4_trials_2_parallel(
         backend="local",
         mlflow_tracking_uri=uri,
         mlflow_experiment="sweep",
-        log=lambda _: None,
+        default_settings={"learning_rate": 5e-3},  # the final training's, outside the space
+        log=lines.append,
     )
     assert sum(result.counts.values()) == 4 and result.counts["failed"] == 0
     assert set(result.best_params) == {"learning_rate"}
+    # The final training's setting ran first (the range widened to hold it), every trial's
+    # evaluation scored 64 examples with its standard error, and the choice is in the log.
+    assert result.defaults_trial == 0 and result.trials[0]["params"] == {"learning_rate": 5e-3}
+    assert any("widened to [0.0001, 0.005]" in line for line in lines)
+    first = result.trials[0]
+    assert first["eval_examples"] == 64
+    assert first["se"] == pytest.approx(math.sqrt(first["value"] * (1 - first["value"]) / 64))
+    assert any(line == f"sweep: {result.reason}" for line in lines)
+    assert result.chosen_params == (
+        {"learning_rate": 5e-3} if result.choice == "defaults" else result.best_params
+    )
     client = MlflowClient(uri)
     assert client.get_run(parent).data.tags["mlflow.parentRunId"] == task_run
     assert client.get_experiment_by_name("sweep") is None  # all in the task run's experiment
@@ -281,6 +294,8 @@ def test_real_sweep_of_the_trainer_4_trials_2_parallel(
     assert parent_run.data.tags["kubejax.best_trial"] == str(result.best_trial)
     assert sum(r.data.tags.get("kubejax.best_trial") == "true" for r in children) == 1
     assert json.loads(json.dumps(result.best_params))
+    assert parent_run.data.metrics["defaults_value"] == first["value"]
+    assert parent_run.data.tags["kubejax.sweep_choice"] == result.choice
 
 
 def test_a_retried_sweep_reattaches_to_a_running_trial(client, tmp_path):
@@ -334,7 +349,7 @@ def test_the_tune_component_mirrors_sweep_task_and_sweep_config():
 
     from kubejax.launchers.sweep import sweep_task
 
-    artifacts = {"dataset", "trials", "report", "metrics"}
+    artifacts = {"dataset", "trials", "report", "summary", "metrics"}
     component = {
         n: p.default
         for n, p in inspect.signature(tune_sweep.python_func).parameters.items()
@@ -346,7 +361,8 @@ def test_the_tune_component_mirrors_sweep_task_and_sweep_config():
         if p.kind is inspect.Parameter.KEYWORD_ONLY
     }
     assert sorted(component) == sorted(library)
-    assert component.pop("hyperparameters") == {} and library.pop("hyperparameters") is None
+    for name in ("hyperparameters", "default_settings"):
+        assert component.pop(name) == {} and library.pop(name) is None
     assert component == library
     names = {"space": "search_space", "trial_timeout": "trial_timeout_seconds"}
     for f in dataclasses.fields(SweepConfig):
@@ -430,7 +446,7 @@ def test_a_sweep_over_optimizers_and_replicas_feeds_the_final_training(
     cfg = SweepConfig(
         space=space,
         algorithm="random",
-        max_trials=2,  # seed 4 draws adamw on 1 worker, then lion on 2
+        max_trials=3,  # the defaults (adamw on 1 worker), then seed 4 draws adamw, lion on 2
         parallelism=2,
         max_workers=2,
         pruner="none",
@@ -456,7 +472,9 @@ def test_a_sweep_over_optimizers_and_replicas_feeds_the_final_training(
         backend="local",
         log=lambda _: None,
     )
-    assert result.counts["complete"] == 2
+    assert result.counts["complete"] == 3
+    assert result.trials[0]["defaults"] and result.trials[0]["workers"] == 1
+    assert result.trials[0]["params"]["optimizer"] == "adamw"
     assert {t["workers"] for t in result.trials} == {1, 2}
     assert {t["params"]["optimizer"] for t in result.trials} == {"adamw", "lion"}
     assert all(("b1" in t["params"]) == (t["params"]["optimizer"] == "lion") for t in result.trials)
@@ -497,7 +515,7 @@ def test_a_trial_whose_loss_diverges_fails_and_the_sweep_goes_on(
 ):
     """SGD at a learning rate of 1e8 without clipping: that trial's loss becomes non-finite, the
     trainer stops naming the step, the trial is marked failed (its MLflow run FAILED, with the
-    non-finite loss logged) and the other trial completes."""
+    non-finite loss logged) and the others complete."""
     from mlflow.tracking import MlflowClient
 
     from kubejax.tracking import local_tracking_uri
@@ -506,7 +524,7 @@ def test_a_trial_whose_loss_diverges_fails_and_the_sweep_goes_on(
     cfg = SweepConfig(
         space={"learning_rate": {"type": "categorical", "choices": [0.05, 1e8]}},
         algorithm="grid",
-        max_trials=2,
+        max_trials=3,  # the defaults' (the trainer's 5e-5, joining the choices), then the grid
         parallelism=2,
         pruner="none",
         poll_seconds=0.2,
@@ -536,7 +554,7 @@ def test_a_trial_whose_loss_diverges_fails_and_the_sweep_goes_on(
         mlflow_experiment="nan",
         log=lines.append,
     )
-    assert result.counts == {"complete": 1, "pruned": 0, "failed": 1}
+    assert result.counts == {"complete": 2, "pruned": 0, "failed": 1}
     failed = next(t for t in result.trials if t["state"] == "failed")
     assert failed["params"]["learning_rate"] == 1e8
     assert any("training stopped" in line and "at step" in line for line in lines), lines
@@ -591,3 +609,119 @@ def test_a_space_none_of_whose_points_fits_the_devices_is_refused(tmp_path):
         sweep_with_jaxjobs(_cfg(space), data_dir=str(tmp_path), trials_root=str(tmp_path / "t"),
                            hyperparameters=fixed, backend="local")  # fmt: skip
     assert not (tmp_path / "t").exists()
+
+
+# ---------------------------------------------------------------------------------------------
+# The defaults as the study's first trial, and what the sweep keeps
+
+
+def test_the_defaults_run_first_and_are_kept_when_best(client, tmp_path):
+    """x=0.3 is the objective's peak: the defaults' trial is trial 0, the best, and what the
+    final training takes; the others searched after it."""
+    space = {"x": {"type": "float", "low": 0.0, "high": 1.0}}
+    r = tune(
+        _cfg(space, algorithm="random", max_trials=4, parallelism=2, defaults={"x": 0.3}),
+        factory(steps=2),
+        tmp_path / "t",
+        client=client,
+        log=lambda _: None,
+    )
+    assert r.trials[0]["number"] == 0 and r.trials[0]["params"] == {"x": 0.3}
+    assert r.trials[0]["defaults"] and not any(t.get("defaults") for t in r.trials[1:])
+    assert len(r.trials) == 4 and r.best_trial == 0 and r.defaults_trial == 0
+    assert r.choice == "defaults" and r.gain == 0.0 and r.chosen_params == {"x": 0.3}
+    assert "the defaults' trial 0 is the best" in r.reason
+
+
+def test_a_better_trial_replaces_the_defaults(client, tmp_path):
+    space = {"x": {"type": "categorical", "choices": [0.9, 0.3]}}
+    r = tune(
+        _cfg(space, algorithm="grid", max_trials=5, parallelism=1, defaults={"x": 0.9}),
+        factory(steps=2),
+        tmp_path / "t",
+        client=client,
+        log=lambda _: None,
+    )
+    # The grid holds the defaults' point once: defaults first, then the rest of the grid.
+    assert [t["params"]["x"] for t in r.trials] == [0.9, 0.3]
+    assert r.choice == "best" and r.chosen_params == {"x": 0.3}
+    assert r.gain == pytest.approx((1 - 0.0) - (1 - 0.36))  # 1 - (x-0.3)^2 at 0.3 and 0.9
+
+
+def _result(best: float, defaults: float, n: int | None, direction="maximize"):
+    from kubejax.tune.controller import SweepResult, decide
+
+    trials = [
+        {"number": 0, "state": "complete", "value": defaults, "params": {"x": 1},
+         "defaults": True},
+        {"number": 1, "state": "complete", "value": best, "params": {"x": 2}},
+    ]  # fmt: skip
+    cfg = _cfg({"x": {"type": "int", "low": 0, "high": 3}}, eval_examples=n or 0,
+               direction=direction)  # fmt: skip
+    pick = max if direction == "maximize" else min
+    top = pick(trials, key=lambda t: t["value"])
+    return decide(SweepResult(top["params"], top["value"], top["number"], trials), cfg)
+
+
+@pytest.mark.parametrize(
+    ("best", "defaults", "n", "choice"),
+    [
+        # 0.80 vs 0.77 on 256 examples: se 0.025 and 0.026, the difference's 0.036; a gain
+        # of 0.03 is 0.8 of it: noise. On 4,000 examples (difference's se 0.0092): 3.3.
+        (0.80, 0.77, 256, "defaults"),
+        (0.80, 0.77, 4000, "best"),
+        (0.80, 0.77, None, "best"),  # no standard error known: any gain
+        (0.70, 0.77, 256, "defaults"),  # the defaults are the best
+    ],
+)
+def test_a_gain_within_two_standard_errors_keeps_the_defaults(best, defaults, n, choice):
+    r = _result(best, defaults, n)
+    assert r.choice == choice, r.reason
+    assert r.defaults_trial == 0 and r.gain == pytest.approx(max(best, defaults) - defaults)
+    if n and best > defaults:
+        se = math.hypot(math.sqrt(0.8 * 0.2 / n), math.sqrt(0.77 * 0.23 / n))
+        assert r.gain_se == pytest.approx(se) and r.trials[1]["se"] > 0
+    else:
+        assert r.gain_se is None and (r.trials[1]["se"] is None) == (n is None)
+    assert r.chosen_params == ({"x": 1} if choice == "defaults" else {"x": 2})
+    if choice == "defaults" and best > defaults:
+        assert "within 2 standard errors" in r.reason and "keeps the defaults" in r.reason
+
+
+def test_the_gain_of_a_minimised_objective_is_the_decrease():
+    r = _result(0.5, 0.9, None, direction="minimize")
+    assert r.gain == pytest.approx(0.4) and r.choice == "best"
+
+
+def test_defaults_outside_the_space_join_it_and_unknown_names_are_refused():
+    from kubejax.launchers.sweep import check_space_settings
+    from kubejax.tune.space import default_point
+
+    space = parse_space({
+        "learning_rate": {"type": "float", "low": 1e-4, "high": 1e-3, "log": True},
+        "lora_rank": {"type": "categorical", "choices": [8, 16]},
+        "b1": {"type": "float", "low": 0.8, "high": 0.9, "when": {"lora_rank": 16}},
+    })  # fmt: skip
+    point, widened, notes = default_point(space, {"learning_rate": 2e-3, "lora_rank": 32.0})
+    assert point == {"learning_rate": 2e-3, "lora_rank": 32.0}  # b1 applies only at rank 16
+    assert widened["learning_rate"]["high"] == 2e-3 and widened["lora_rank"]["choices"][-1] == 32
+    assert len(notes) == 2 and "joins the choices" in notes[1]
+    point, widened, notes = default_point(space, {"learning_rate": 5e-4, "lora_rank": 16.0,
+                                                  "b1": 0.85})  # fmt: skip
+    assert point == {"learning_rate": 5e-4, "lora_rank": 16, "b1": 0.85} and not notes
+    assert isinstance(point["lora_rank"], int)  # the choice itself, as Optuna stores it
+    with pytest.raises(SweepError, match=r"^search_space\.lora_ranks: not a setting the trainer"):
+        check_space_settings({"lora_ranks": {"type": "int", "low": 1, "high": 2}})
+    check_space_settings({"lora_rank": {}, "replicas": {}})
+
+
+def test_a_space_naming_no_trainer_setting_exits_2_before_any_trial(tmp_path, capsys):
+    from kubejax.cli import main
+
+    space = {"learning_rat": {"type": "float", "low": 1e-5, "high": 1e-4}}
+    argv = ["tune", "--data-dir", str(tmp_path), "--model", "m", "--output-dir",
+            str(tmp_path / "o"), "--space", json.dumps(space)]  # fmt: skip
+    assert main(argv) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "search_space.learning_rat: not a setting the trainer takes" in err[0]
+    assert not (tmp_path / "o" / "trials").exists()

@@ -11,20 +11,25 @@ real one comes from `--param base_model=...`). Every pipeline parameter can be o
 from __future__ import annotations
 
 import collections
+import contextlib
 import io
 import json
+import math
 import os
 import re
 import sys
 import threading
 import time
 import warnings
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, TextIO
 
 from kubejax import tracking
+from kubejax.errors import KubejaxError
 from kubejax.jobs.local import LOG_DIR_ENV
 from kubejax.trainer import compile_cache
+from kubejax.tune.space import SweepError
 
 #: Demo data size: train rows generated, test rows generated.
 DEMO_TRAIN_ROWS, DEMO_TEST_ROWS = 3000, 600
@@ -100,8 +105,7 @@ PROFILES: dict[str, dict[str, Any]] = {
         train={"epochs": 3, "eval_every": 500, "checkpoint_every": 500, "learning_rate": 5e-5},
         eval_examples=2000,
     ),
-    # The LLM pipeline on the embedded random decoder: LoRA on its attention, the final
-    # training on 2 workers with the base sharded between them (mesh fsdp=-1).
+    # The LLM pipeline on the embedded random decoder: LoRA on its attention.
     "llm": _budget(
         64,
         (0, 200, 300),
@@ -113,22 +117,48 @@ PROFILES: dict[str, dict[str, Any]] = {
         extra={"max_eval_examples": 128},
     ),
 }
-#: `--profile llm`'s own settings beside its budget.
+#: The pipeline every profile runs when no --pipeline is given.
+LLM_PIPELINE, YELP_PIPELINE = "kubejax-llm", "kubejax-yelp"
+#: What the encoder pipelines (kubejax-yelp, kubejax-train-eval) take on this machine beside
+#: the profile's budget: the encoder search space. The LLM pipeline keeps its own.
+ENCODER_LOCAL = {"search_space": json.dumps(_SPACE)}
+#: The LLM pipeline on this machine, whatever the profile: its search space (learning rate, LoRA
+#: rank and alpha) and LoRA defaults stay the pipeline's; no GPUs; its final training in one
+#: process with every core (`LOCAL_LAYOUT`); its own MLflow names.
 LLM_LOCAL = {
+    "gpus_per_worker": 0,
+    "trial_gpus_per_worker": 0,
+    "register_threshold": 0.0,
+    "registered_model_name": "kubejax-llm-local",
+    "mlflow_experiment": "kubejax-llm-local",
+}
+#: The local final training's worker layout on one machine: one process with every core (XLA
+#: splits each operation over the cores), not one process a core. Measured here (2-core Xeon,
+#: JAX 0.10 on CPU, LoRA rank 8, 16 reviews of 64 tokens a step, warm compile cache, two
+#: alternated rounds each): a 22.5M-weight Qwen2-shaped decoder trained 21.6 examples/s in one
+#: process, 21.2 in two data-parallel processes and 14.0 in two with the base sharded between
+#: them (fsdp=-1); the embedded 0.6M-weight decoder 283, 279 and 125; the jobs' walls 30.9,
+#: 32.1 and 43.5 s, 8.0, 9.2 and 12.0 s. Two processes split the batch but each still runs
+#: every operation's fixed cost, and sharding adds a gather of every layer a step; both only
+#: pay across machines (the cluster profiles) or when one process cannot hold the model
+#: (`kubejax plan` says so: set --param replicas and mesh).
+LOCAL_LAYOUT = {"replicas": 1, "mesh": ""}
+#: The trainer settings of the LLM pipeline's final training that a profile's budget keeps
+#: (the budget sets how long and on how much; these how the decoder learns).
+LLM_MODEL_SETTINGS = ("learning_rate", "dtype", "param_dtype")
+#: `--profile llm`'s own settings on the embedded RANDOM decoder: a random base learns only at
+#: learning rates ten times a pretrained one's, and its width (128) takes small ranks; the
+#: space is the LLM pipeline's (learning rate, LoRA rank and alpha) at that scale.
+EMBEDDED_DECODER_SETTINGS = {
     "search_space": json.dumps(
         {
             "learning_rate": {"type": "float", "low": 1e-3, "high": 1e-2, "log": True},
             "lora_rank": {"type": "categorical", "choices": [4, 8]},
+            "lora_alpha": {"type": "categorical", "choices": [8, 16, 32]},
         }
     ),
     "lora_rank": 8,
     "lora_alpha": 16.0,
-    "gpus_per_worker": 0,
-    "trial_gpus_per_worker": 0,
-    "mesh": "fsdp=-1",
-    "register_threshold": 0.0,
-    "registered_model_name": "kubejax-llm-local",
-    "mlflow_experiment": "kubejax-llm-local",
 }
 #: The embedded decoder's shape (Qwen2's layout; the vocabulary is its tokenizer's).
 TINY_DECODER = {
@@ -136,6 +166,8 @@ TINY_DECODER = {
     "num_attention_heads": 4, "num_key_value_heads": 2, "max_position_embeddings": 512,
     "tie_word_embeddings": True, "bos_token_id": 0, "eos_token_id": 1, "pad_token_id": 1,
 }  # fmt: skip
+#: The MLflow tag `kubejax.base_model_weights` of every run on the embedded decoder.
+RANDOM_WEIGHTS_TAG = "random: the embedded decoder of --profile llm, not a pretrained LLM"
 #: What `--profile llm`'s terminal says when it runs on the embedded decoder.
 EMBEDDED_DECODER_NOTE = (
     "base model: a small Qwen2-shaped decoder with RANDOM weights built here "
@@ -188,14 +220,20 @@ def embedded_decoder(workdir: Path) -> str:
     return str(folder)
 
 
-def embedded_params(workdir: Path, profile: str = "demo") -> dict[str, Any]:
+def embedded_params(
+    workdir: Path, profile: str = "demo", pipeline: str = YELP_PIPELINE
+) -> dict[str, Any]:
     """A local run's pipeline arguments (before user overrides): the profile's budget, the
-    embedded data and model, the local backend and an sqlite MLflow store in `workdir`."""
-    own = {**LLM_LOCAL, "base_model": embedded_decoder(workdir)} if profile == "llm" else {}
-    return {
+    embedded data and model, the local backend and an sqlite MLflow store in `workdir`.
+
+    The encoder pipelines get the encoder search space and the offline MiniLM. The LLM
+    pipeline keeps its own search space, LoRA defaults and base model (`LLM_LOCAL`); its
+    final training takes the profile's length and batch with the pipeline's learning rate and
+    dtypes (`LLM_MODEL_SETTINGS`). `--profile llm` runs it on the embedded random decoder with
+    that decoder's own settings (`EMBEDDED_DECODER_SETTINGS`)."""
+    budget = PROFILES[profile]
+    common = {
         "source": str(workdir / "data" / "yelp-synthetic"),
-        "base_model": offline_model(workdir),
-        "search_space": json.dumps(_SPACE),
         "algorithm": "tpe",
         "parallelism": 2,
         "pruner": "median",
@@ -206,24 +244,53 @@ def embedded_params(workdir: Path, profile: str = "demo") -> dict[str, Any]:
         "mlflow_experiment": "kubejax-local",
         "register_threshold": 0.3,
         "registered_model_name": "kubejax-yelp-local",
-        **PROFILES[profile],
-        **own,
+        **budget,
     }
+    if pipeline != LLM_PIPELINE:
+        return {**common, "base_model": offline_model(workdir), **ENCODER_LOCAL}
+    from kubejax.pipelines.llm import LLM_SPACE, LLM_TRAIN_HP
+
+    layout = LOCAL_LAYOUT["replicas"], LOCAL_LAYOUT["mesh"]
+    out = {**common, **LLM_LOCAL, "replicas": layout[0], "mesh": layout[1]}
+    out["search_space"] = LLM_SPACE
+    if profile == "llm":
+        return {**out, "base_model": embedded_decoder(workdir), **EMBEDDED_DECODER_SETTINGS}
+    if profile == "full":
+        # Its longer sweep (8 trials) spends the trials' second half on the promising ones:
+        # Hyperband stops at the half-way evaluation the trials that rank low there. The
+        # budget is sized as if none stopped (it is kept whatever the pruner does).
+        out["pruner"] = "hyperband"
+    kept = {k: LLM_TRAIN_HP[k] for k in LLM_MODEL_SETTINGS if k in LLM_TRAIN_HP}
+    out["train_hyperparameters"] = {**budget["train_hyperparameters"], **kept}
+    out["trial_hyperparameters"] = {
+        **budget["trial_hyperparameters"],
+        **{k: v for k, v in kept.items() if k != "learning_rate"},
+    }
+    return out
 
 
-def choose_profile(profile: str | None, overrides: dict[str, Any]) -> str:
-    """The budget of a run: `demo` for the embedded data, `quick` for a user's own source
-    unless asked otherwise; `demo` with a user's source is refused (its caps would silently
-    cut the user's data)."""
+def choose_profile(
+    profile: str | None, overrides: dict[str, Any], pipeline: str = YELP_PIPELINE
+) -> str:
+    """The budget of a run: for the embedded data `demo` (`llm` for the LLM pipeline), for a
+    user's own source `quick`, unless asked otherwise; `demo` with a user's source is refused
+    (its caps would silently cut the user's data), and so is `demo` for the LLM pipeline (it
+    is sized for the encoder)."""
     own_data = "source" in overrides
+    llm = pipeline == LLM_PIPELINE
     if profile is None:
-        return "quick" if own_data else "demo"
+        return "quick" if own_data else ("llm" if llm else "demo")
     if profile not in PROFILES:
         raise ValueError(f"--profile: {profile!r} is not one of {', '.join(PROFILES)}")
     if profile == "demo" and own_data:
         raise ValueError(
             "--profile: demo is sized for the embedded synthetic data only; use quick or full "
             "with your own source"
+        )
+    if profile == "demo" and llm:
+        raise ValueError(
+            f"--profile: demo runs the encoder pipelines; {LLM_PIPELINE} takes llm (the "
+            "embedded decoder), quick or full"
         )
     return profile
 
@@ -316,6 +383,19 @@ def _summary_from_mlflow(uri: str, experiment: str) -> dict:
         }
         out["trials"] = {s: int(sm.get(f"trials_{s}", 0)) for s in ("complete", "pruned", "failed")}
         out["sweep_run_id"] = sweep.info.run_id
+        # The best trial beside the defaults' trial, and what the final training kept.
+        tags = sweep.data.tags
+        out["sweep"] = {
+            "kept": tags.get("kubejax.sweep_choice", "best"),
+            "reason": tags.get("kubejax.sweep_reason", ""),
+            "best_trial": int(sm["best_trial"]) if "best_trial" in sm else None,
+            "best_value": sm.get("best_value"),
+            "best_value_se": sm.get("best_value_se"),
+            "defaults_trial": int(sm["defaults_trial"]) if "defaults_trial" in sm else None,
+            "defaults_value": sm.get("defaults_value"),
+            "sweep_gain": sm.get("sweep_gain"),
+            "sweep_gain_se": sm.get("sweep_gain_se"),
+        }
     return out
 
 
@@ -412,25 +492,381 @@ def run_local(
         os.environ.update(saved_env)
 
 
-def _run(workdir, pipeline, overrides, profile, verbose, terminal) -> dict:
-    from kubejax.data.synthetic import write_yelp_dir
-
-    pipeline_name = pipeline.name
+def local_args(
+    workdir: Path, pipeline, overrides: list[str], profile: str | None
+) -> tuple[str, dict[str, Any], dict[str, Any]]:
+    """A local run's profile, its embedded defaults (`embedded_params`) and the pipeline's
+    arguments: those defaults the pipeline takes, under the user's NAME=VALUE `overrides`."""
     types = pipeline_inputs(pipeline)
-    user = parse_params(overrides, types)
-    profile = choose_profile(profile, user)
-    defaults = embedded_params(workdir, profile)
+    own = [o for o in overrides if o.partition("=")[0] not in RUN_SETTINGS]
+    user = parse_params(own, types)
+    profile = choose_profile(profile, user, pipeline.name)
+    defaults = embedded_params(workdir, profile, pipeline.name)
     args = {k: v for k, v in defaults.items() if k in types}
     args.update(user)
+    return profile, defaults, args
+
+
+#: Settings of the local run itself, given as --param NAME=VALUE beside the pipeline's: the
+#: share of the whole run the sweep may take (kubejax-llm: it sizes the sweep's trials).
+RUN_SETTINGS = {"sweep_budget_share": 0.4}
+
+
+def run_settings(overrides: list[str]) -> dict[str, Any]:
+    """The local run's own settings (`RUN_SETTINGS`) from the NAME=VALUE `overrides`, checked:
+    SweepError naming the one that is out of range."""
+    from kubejax.tune.budget import check_share
+
+    out = dict(RUN_SETTINGS)
+    for pair in overrides:
+        name, _, value = pair.partition("=")
+        if name in RUN_SETTINGS:
+            out[name] = value
+    out["sweep_budget_share"] = check_share(out["sweep_budget_share"])
+    return out
+
+
+def runs_memory() -> Path:
+    """The file that remembers which local runs finished here (their programs are in JAX's
+    persistent cache): beside that cache, in the user's kubejax cache folder."""
+    return compile_cache.user_dir().parent / "local-runs.json"
+
+
+#: Rows of the source tokenized before the run to measure the steps' padded length.
+LENGTH_SAMPLE = 512
+
+
+def source_rows(args: dict[str, Any]) -> tuple[dict[str, int], list[str]] | None:
+    """The rows the prepare step will give each split (train, validation, test) of a local
+    source, by its own arithmetic (the fractions carved out where the source lacks a split,
+    then the caps), and up to `LENGTH_SAMPLE` of its texts; None for a hub dataset (not read
+    before the run)."""
+    from kubejax.data import prepare
+
+    if not Path(str(args["source"])).expanduser().exists():
+        return None
+    cfg = prepare.PrepareConfig(
+        tokenizer=str(args.get("base_model", "")),
+        source=str(args["source"]),
+        text_column=args.get("text_column", "text"),
+        label_column=args.get("label_column", "label"),
+    )
+    frames, _ = prepare.load_source(cfg)
+    n = {k: len(v) for k, v in frames.items()}
+    first = frames.get("train", next(iter(frames.values())))
+    texts = first[cfg.text_column].astype(str).head(LENGTH_SAMPLE).tolist()
+    if "all" in n:
+        n["test"] = round(n["all"] * cfg.test_fraction)
+        n["train"] = n.pop("all") - n["test"]
+    if "validation" not in n:
+        n["validation"] = round(n["train"] * cfg.validation_fraction)
+        n["train"] -= n["validation"]
+    if "test" not in n:
+        n["test"] = round(n["train"] * cfg.test_fraction)
+        n["train"] -= n["test"]
+    for split in ("train", "validation", "test"):
+        cap = int(args.get(f"max_{split}_samples") or 0)
+        n[split] = min(n[split], cap) if cap else n[split]
+    return {k: n[k] for k in ("train", "validation", "test")}, texts
+
+
+#: Tokens a causal-lm row holds beside its review: kubejax's default template ("Review: ",
+#: "\nRating:") and the answer.
+PROMPT_TOKENS = 8
+
+
+def padded_length(
+    texts: list[str], model: str, max_length: int, batch: int, multiple: int, prompt: bool
+) -> int:
+    """The tokens a step's rows are padded to, on average: `texts` tokenized with the model's
+    tokenizer (plus `PROMPT_TOKENS` for a causal-lm prompt), cut at `max_length`, dealt into
+    batches of `batch` rows as the trainer deals them (`dataset.plan_epoch`: similar lengths
+    together), each padded to its longest rounded up to `multiple`."""
+    import numpy as np
+
+    from kubejax.data.dataset import plan_epoch
+    from kubejax.data.tokenizer import load_tokenizer
+
+    _, lengths = load_tokenizer(model, max_length).encode(texts)
+    lengths = np.minimum(max_length, lengths + (PROMPT_TOKENS if prompt else 0))
+    batch = max(1, min(batch, len(lengths)))
+    longest = lengths[plan_epoch(lengths, batch, 0, 0)].max(axis=1)
+    padded = np.minimum(max_length, -(-longest // multiple) * multiple)
+    return max(1, round(float(padded.mean())))
+
+
+def _evals(steps: int, every: int) -> int:
+    """Evaluations of a run of `steps`: every `every` steps and at the end."""
+    if not every:
+        return 1
+    return steps // every + (1 if steps % every else 0)
+
+
+@dataclass
+class LocalPlan:
+    """A local LLM run's budget, stated before it starts, and the arguments it sized."""
+
+    budget: Any
+    args: dict[str, Any]
+    lines: list[str]
+    signature: str
+
+
+def plan_llm_run(
+    args: dict[str, Any],
+    settings: dict[str, Any],
+    user: set[str],
+    signature: str,
+    view: SweepView | None = None,
+) -> LocalPlan:
+    """The budget of a local kubejax-llm run (`kubejax.tune.budget`) and its sweep sized to
+    `settings["sweep_budget_share"]` of it: unless the user set them (`user`: the parameters
+    given), the trials' count, steps and evaluation size (`view`: the sweep as its step will
+    see it, `preflight`'s: a grid's points the memory plan refuses cost nothing). Without a
+    budget (`budget` None)
+    where the cost cannot be known before the run (a hub model or dataset); the lines say
+    why."""
+    from kubejax.tune import budget as b
+
+    shape = b.ModelShape.from_folder(str(args["base_model"]))
+    source = source_rows(args) if shape is not None else None
+    if shape is None or source is None:
+        what = "base_model" if shape is None else "source"
+        return LocalPlan(None, args, [f"no budget: {what} {args[what]} is not read before "
+                                      "the run (a hub id)"], signature)  # fmt: skip
+    rows, texts = source
+    args = dict(args)
+    trial_hp = dict(args.get("trial_hyperparameters") or {})
+    train_hp = dict(args.get("train_hyperparameters") or {})
+    max_length = int(train_hp.get("max_length") or args.get("max_length") or 256)
+    prompt = str(args.get("task", "causal-lm")) == "causal-lm"
+
+    def padded(hp: dict, batch: int) -> int:
+        top = int(hp.get("max_length") or max_length)
+        multiple = int(hp.get("bucket_multiple") or 32)
+        return padded_length(texts, str(args["base_model"]), top, batch, multiple, prompt)
+
+    length = padded(train_hp, int(train_hp.get("global_batch_size") or 32))
+    peft = str(args.get("peft") or "lora")
+    dtype = str(train_hp.get("dtype") or "float32")
+    machine = b.measure_machine(dtype)
+    warm = b.compiled_before(signature, runs_memory())
+    batch = int(train_hp.get("global_batch_size") or 32)
+    steps = int(train_hp.get("max_steps") or 0) or math.ceil(
+        float(train_hp.get("epochs") or 1) * (rows["train"] // batch)
+    )
+    val = min(rows["validation"], int(train_hp.get("max_eval_examples") or 0) or rows["validation"])
+    final = b.Job(steps, batch, length, _evals(steps, int(train_hp.get("eval_every") or 0)), val,
+                  int(train_hp.get("eval_batch_size") or 64), peft)  # fmt: skip
+    trial_batch = int(trial_hp.get("global_batch_size") or batch)
+    trial_length = padded(trial_hp, trial_batch)
+    # The final training runs the programs its chosen trial compiled where their shapes agree.
+    trial_dtype = trial_hp.get("dtype") or "float32"
+    trial_shape = (trial_length, trial_batch, trial_dtype, args.get("trial_replicas", 1))
+    final_warm = warm or trial_shape == (length, batch, dtype, args.get("replicas", 1))
+    costs = {
+        "prepare": b.prepare_seconds(sum(rows.values())),
+        "sweep": 0.0,
+        "final training": b.train_seconds(machine, shape, final, final_warm),
+        "evaluation": b.evaluate_seconds(machine, shape, rows["test"], length),
+        "register": b.TASK_START_S,
+    }
+    rest = sum(costs.values())
+    share = settings["sweep_budget_share"]
+    parallel = int(args.get("parallelism") or 1)
+    notes = {}
+    if {"max_trials", "trial_hyperparameters"} & user:
+        trials = int(args.get("max_trials") or 8)
+        if view is not None and view.cfg.algorithm == "grid":
+            # A grid's points are known: those the memory plan refuses start no job.
+            from kubejax.tune.space import grid
+
+            cfg = view.cfg
+            points = [cfg.defaults, *(p for p in grid(cfg.space) if p != cfg.defaults)]
+            trials = view.runnable(points[:trials])
+        trial_steps = int(trial_hp.get("max_steps") or steps)
+        n = min(rows["validation"], int(trial_hp.get("max_eval_examples") or 0) or 10**9)
+        trial = b.Job(trial_steps, trial_batch, trial_length,
+                      _evals(trial_steps, int(trial_hp.get("eval_every") or 0)), n,
+                      int(trial_hp.get("eval_batch_size") or 64), peft)  # fmt: skip
+        costs["sweep"] = b.sweep_seconds(machine, shape, trial, trials, parallel, warm)
+        notes["sweep"] = f"({trials} trials × {trial_steps} steps, as given)"
+    else:
+        size = b.size_sweep(
+            machine=machine, shape=shape, rest_seconds=rest, share=share,
+            most_trials=int(args.get("max_trials") or 8), parallel=parallel, final_steps=steps,
+            batch=trial_batch, length=trial_length, validation_rows=rows["validation"],
+            peft=peft, warm=warm,
+        )  # fmt: skip
+        costs["sweep"] = size.seconds
+        notes["sweep"] = f"({size.why})"
+        args["max_trials"] = size.trials
+        args["trial_hyperparameters"] = {
+            **trial_hp,
+            "max_steps": size.steps,
+            "eval_every": max(1, math.ceil(size.steps / 2)),
+            "max_eval_examples": size.eval_examples,
+            "log_every": max(1, size.steps // 4),
+        }
+    layout = f"{args.get('replicas', 1)} process(es)"
+    if int(args.get("replicas", 1)) == 1:
+        layout = "one process with every core (the faster layout here: LOCAL_LAYOUT)"
+    notes["final training"] = f"({steps} steps of {batch} × {length} tokens, {layout})"
+    notes["evaluation"] = f"({rows['test']} test rows)"
+    notes["prepare"] = f"({sum(rows.values())} rows: {rows})"
+    budget = b.Budget({k: costs[k] for k in ("prepare", "sweep", "final training",
+                                             "evaluation", "register")}, notes)  # fmt: skip
+    lines = [
+        f"budget: {shape.weights / 1e6:.1f}M non-embedding weights, "
+        f"{shape.train_flops(length, peft) / 1e6:.0f} MFLOP a training token ({peft}); "
+        f"speed: {machine.describe()}; compile: "
+        + ("cached (this run's programs ran here before)" if warm else "afresh"),
+        *budget.lines(),
+        f"  the sweep: {budget.sweep_share:.0%} of the whole (sweep_budget_share {share:g})",
+    ]
+    return LocalPlan(budget, args, lines, signature)
+
+
+class BadRunInput(KubejaxError, ValueError):
+    """A setting of a local run refused before anything runs (the command exits 2)."""
+
+
+@contextlib.contextmanager
+def bad_input():
+    """Raise the sweep's refusals (SweepError) as `BadRunInput`: a SweepError is also a
+    RuntimeError, which `kubejax run` takes for a failed pipeline step (exit 1), while these
+    come before any step, from the user's settings."""
+    try:
+        yield
+    except SweepError as err:
+        raise BadRunInput(str(err)) from None
+
+
+def pipeline_defaults(pipeline) -> dict[str, Any]:
+    """A pipeline's parameters' defaults, typed as its signature types them (JSON numbers of
+    protobuf come back as floats: an integer is an int again, in nested objects too)."""
+    from google.protobuf import json_format
+
+    def plain(value):
+        if isinstance(value, float) and value.is_integer():
+            return int(value)
+        if isinstance(value, dict):
+            return {k: plain(v) for k, v in value.items()}
+        if isinstance(value, list):
+            return [plain(v) for v in value]
+        return value
+
+    types = pipeline_inputs(pipeline)
+    params = pipeline.pipeline_spec.root.input_definitions.parameters
+    out = {}
+    for name, spec in params.items():
+        if spec.HasField("default_value"):
+            value = plain(json_format.MessageToDict(spec.default_value))
+            out[name] = float(value) if types[name] == "NUMBER_DOUBLE" else value
+    return out
+
+
+@dataclass
+class SweepView:
+    """The sweep as its step will see it: its config (the defaults' point in it, the space
+    widened to hold it), the trials' fixed settings, their workers and accelerator."""
+
+    cfg: Any
+    fixed: dict[str, Any]
+    replicas: int
+    placement: dict[str, str]
+
+    def runnable(self, points: list[dict]) -> int:
+        """How many of `points` the trials' devices and memory plan can run."""
+        from kubejax.launchers.sweep import point_error
+
+        return sum(
+            point_error(p, self.cfg.space, self.fixed, self.replicas, 0, None, self.placement)
+            is None
+            for p in points
+        )
+
+
+def preflight(args: dict[str, Any], pipeline) -> SweepView | None:
+    """What the sweep step would refuse, refused before anything runs (one line naming the
+    setting; the command exits 2): sweep settings or a search space that are not valid or
+    name a setting the trainer does not take, trial settings the trainer refuses, a space
+    none of whose points (its lowest, the defaults') the trials' devices and memory plan can
+    run. `args` over the pipeline's own defaults, as the steps will see them. Returns the
+    sweep as its step will see it (None: the pipeline has no sweep)."""
+    full = {**pipeline_defaults(pipeline), **args}
+    if "search_space" not in full:
+        return None
+    from kubejax.launchers.common import SETTING_PARAMS, with_settings
+    from kubejax.launchers.sweep import check_some_point_fits, check_space_settings, with_defaults
+    from kubejax.tune.controller import SweepConfig
+
+    names = ("objective", "direction", "tuner", "algorithm", "max_trials", "parallelism",
+             "max_workers", "pruner", "scheduler", "seed")  # fmt: skip
+    cfg = SweepConfig(space=full["search_space"], **{k: full[k] for k in names if k in full})
+    check_space_settings(cfg.space)
+    adapters = {k: full[k] for k in SETTING_PARAMS if k in full and k != "mesh"}
+    fixed = with_settings(
+        dict(full.get("trial_hyperparameters") or {}), mesh=full.get("trial_mesh", ""), **adapters
+    )
+    fixed["model"] = str(full["base_model"])
+    final = with_settings(dict(full.get("train_hyperparameters") or {}), **adapters)
+    # The trials' devices as the sweep step sees them under kfp.local: no task resources,
+    # one CPU device a worker.
+    replicas = int(full.get("trial_replicas", 1))
+    cfg = with_defaults(cfg, {**fixed, **final}, replicas=replicas, devices_per_worker=0,
+                        data_dir="", fixed=fixed, log=lambda _: None)  # fmt: skip
+    placement = {"accelerator": full.get("accelerator", "nvidia"),
+                 "tpu_topology": full.get("trial_tpu_topology", "")}  # fmt: skip
+    check_some_point_fits(cfg.space, fixed, replicas, 0, None, placement, cfg.defaults)
+    return SweepView(cfg, fixed, replicas, placement)
+
+
+def _run(workdir, pipeline, overrides, profile, verbose, terminal) -> dict:
+    from kubejax.data.synthetic import write_yelp_dir
+    from kubejax.tune import budget as cost
+
+    pipeline_name = pipeline.name
+    profile, defaults, args = local_args(workdir, pipeline, overrides, profile)
+    with bad_input():
+        settings = run_settings(overrides)
+    given = {o.partition("=")[0] for o in overrides}
+    if pipeline_name != LLM_PIPELINE and given & set(RUN_SETTINGS):
+        raise ValueError(
+            f"--param sweep_budget_share: sizes the sweep of {LLM_PIPELINE}'s local runs; "
+            f"{pipeline_name}'s sweep is max_trials × trial_hyperparameters"
+        )
     synthetic = Path(defaults["source"])
     if args["source"] == str(synthetic) and not (synthetic / "train.csv").exists():
         write_yelp_dir(synthetic, DEMO_TRAIN_ROWS, DEMO_TEST_ROWS, seed=0)
+    embedded = profile == "llm" and args.get("base_model") == defaults.get("base_model")
+    if embedded:  # every run on the random decoder says so in MLflow too
+        for name in ("trial_hyperparameters", "train_hyperparameters"):
+            hp = dict(args.get(name) or {})
+            tags = {**json.loads(hp.get("mlflow_tags") or "{}"),
+                    "kubejax.base_model_weights": RANDOM_WEIGHTS_TAG}  # fmt: skip
+            args[name] = {**hp, "mlflow_tags": json.dumps(tags)}
+    with bad_input():
+        view = preflight(args, pipeline)
+    plan = None
+    if pipeline_name == LLM_PIPELINE:
+        # What the run compiles (the model's config, the settings) and where JAX keeps it.
+        config = Path(str(args.get("base_model"))) / "config.json"
+        signature = cost.run_signature(
+            pipeline_name, profile, sorted(overrides),
+            config.read_text() if config.is_file() else str(args.get("base_model")),
+            os.environ.get("JAX_COMPILATION_CACHE_DIR", ""),
+        )  # fmt: skip
+        plan = plan_llm_run(args, settings, given, signature, view)
+        args = plan.args
     budget = describe_budget(profile, args)
     log_path = workdir / "logs" / "pipeline.log"
     log_path.parent.mkdir(parents=True, exist_ok=True)
     print(f"kubejax: {pipeline_name} on this machine in {workdir}", file=terminal)
     print(f"kubejax: {budget}", file=terminal)
-    if profile == "llm" and args.get("base_model") == defaults["base_model"]:
+    for line in plan.lines if plan else []:
+        print(f"kubejax: {line}", file=terminal)
+    if embedded:
         print(f"kubejax: {EMBEDDED_DECODER_NOTE}", file=terminal)
     print(f"kubejax: full log: {log_path}", file=terminal, flush=True)
     t0 = time.monotonic()
@@ -453,6 +889,16 @@ def _run(workdir, pipeline, overrides, profile, verbose, terminal) -> dict:
         tasks=tasks,
         logs={"pipeline": str(log_path), "jobs": os.environ[LOG_DIR_ENV]},
     )
+    if embedded:
+        summary["base_model_note"] = EMBEDDED_DECODER_NOTE
+    if plan is not None and plan.budget is not None:
+        summary["budget_s"] = {
+            "predicted": {k: round(v, 1) for k, v in plan.budget.steps.items()},
+            "predicted_total": round(plan.budget.total, 1),
+            "measured_total": round(wall, 1),
+            "sweep_budget_share": settings["sweep_budget_share"],
+        }
+        cost.remember_run(plan.signature, runs_memory())
     (workdir / "summary.json").write_text(json.dumps(summary, indent=1))
     return summary
 

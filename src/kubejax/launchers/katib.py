@@ -62,17 +62,20 @@ def sweep_with_katib(
     replicas: int,
     log: Callable[[str], None] = print,
 ) -> SweepResult:
-    """Run the sweep as the Katib Experiment `cfg.study_name` (re-attached when it exists);
-    the best trial (Katib's `currentOptimalTrial`) and every trial's record, each trial's
-    MLflow run tagged with its state as in the Optuna path."""
+    """Run the sweep as the Katib Experiment `cfg.study_name` (re-attached when it exists),
+    its first Trial the defaults (`cfg.defaults`, when given); the best trial (Katib's
+    `currentOptimalTrial`) and every trial's record, each trial's MLflow run tagged with its
+    state as in the Optuna path."""
     katib.check_sweep(cfg, client.engine)
     manifest, flags = trial_job(cfg, factory, client.engine, trials_root)
     exp = katib.experiment(cfg, cfg.study_name, manifest, client.engine, flags)
     katib.check_experiment(exp)
+    # The defaults as the Experiment's first Trial (`katib.defaults_trial`).
+    first = katib.defaults_trial(exp, cfg.defaults) if cfg.defaults else None
     custom, namespace = client.custom_objects()
     run = katib.KatibRun(custom, namespace, cfg.study_name, log, cfg.poll_seconds)
     with on_sigterm(run.delete):
-        run.start(exp)
+        run.start(exp, first)
         status = run.wait()["status"]
     trials = katib.trial_records(cfg, run.trials(), trials_root, replicas)
     for t in trials:

@@ -12,16 +12,18 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
-from kubejax import report, tracking
+from kubejax import report, tpu, tracking
+from kubejax.data.dataset import METADATA_FILE
 from kubejax.errors import InfeasibleError
 from kubejax.jobs.client import JAXJobClient
 from kubejax.jobs.spec import JAXJobSpec, job_name
 from kubejax.launchers.common import (
+    RESERVED,
     build_train_spec,
     check_hyperparameters,
     check_job,
     log_to_stdout,
-    pod_resources,
+    place_workers,
     stage_dataset,
     task_config_fields,
     task_root,
@@ -31,17 +33,18 @@ from kubejax.launchers.common import (
 )
 from kubejax.launchers.katib import sweep_with_katib
 from kubejax.outputs import read_metrics
+from kubejax.trainer.config import TrainConfig
 from kubejax.tune import katib, ray_tune
 from kubejax.tune.controller import (
     SweepConfig,
     SweepResult,
     TrialSpecFactory,
+    decide,
     tag_trial_run,
     tune,
 )
-from kubejax.tune.report import sweep_figures, write_report, write_trials
-from kubejax.tune.space import RESOURCE_PARAMS, SweepError, lowest_point
-from kubejax.version import IMAGE
+from kubejax.tune.report import summary_markdown, sweep_figures, write_report, write_trials
+from kubejax.tune.space import RESOURCE_PARAMS, SweepError, default_point, lowest_point
 
 
 def trainer_trial_spec(
@@ -55,11 +58,14 @@ def trainer_trial_spec(
     trial_timeout: float = 3600.0,
     extra_env: dict[str, str] | None = None,
     devices_per_worker: int = 0,
+    accelerator: str = "",
+    tpu_topology: str = "",
     queue_name: str = "",
     priority_class: str = "",
 ) -> TrialSpecFactory:
     """Trial jobs that train with the fixed `hyperparameters` plus the trial's params; a
-    `replicas` or `devices_per_worker` param sets the trial's resources instead."""
+    `replicas` or `devices_per_worker` param sets the trial's resources instead (on a TPU
+    slice of `tpu_topology`: its hosts and chips per host, `place_workers`)."""
 
     def make(number: int, params: dict, output_dir: str, name: str) -> JAXJobSpec:
         settings = {k: v for k, v in params.items() if k not in RESOURCE_PARAMS}
@@ -88,6 +94,8 @@ def trainer_trial_spec(
             labels={"kubejax.dev/sweep": "true"},
             extra_env=extra_env,
             devices_per_worker=int(params.get("devices_per_worker", devices_per_worker)),
+            accelerator=accelerator,
+            tpu_topology=tpu_topology,
             queue_name=queue_name,
             priority_class=priority_class,
         )
@@ -101,9 +109,11 @@ def sweep_with_jaxjobs(
     data_dir: str,
     trials_root: str,
     hyperparameters: dict,
-    image: str = IMAGE,
+    image: str = "",
     replicas: int = 1,
     devices_per_worker: int = 0,
+    accelerator: str = "",
+    tpu_topology: str = "",
     backend: str = "auto",
     task_config=None,
     mlflow_tracking_uri: str = "",
@@ -112,23 +122,45 @@ def sweep_with_jaxjobs(
     workspace: str = "",
     queue_name: str = "",
     priority_class: str = "",
+    default_settings: dict | None = None,
     log: Callable[[str], None] = print,
 ) -> tuple[SweepResult, str]:
     """A sweep whose trials train the kubejax trainer; an MLflow parent run with one nested
     run per trial. Returns the result and the parent run id ('' without tracking). With a
     Kueue `queue_name` every trial job waits in that queue: up to `parallelism` are submitted
-    and Kueue admits those its quota holds (`max_workers` is then Kueue's to enforce)."""
-    # The fixed settings, and each dimension at its lower end, before anything is created.
+    and Kueue admits those its quota holds (`max_workers` is then Kueue's to enforce). On a
+    TPU `accelerator` every trial runs on a slice of `tpu_topology` (`replicas` 0: its hosts);
+    `image` empty: kubejax's for the accelerator.
+
+    The study's first trial runs the defaults (`with_defaults`: the final training's
+    `default_settings`, else the trials' fixed settings, else the trainer's defaults), and the
+    result keeps them unless its best trial beats them beyond the noise (`decide`)."""
+    # The search space's names, the accelerator settings, the fixed settings, and each
+    # dimension at its lower end, before anything is created.
+    check_space_settings(cfg.space)
+    placement = {"accelerator": accelerator, "tpu_topology": tpu_topology}
+    replicas, _, _ = place_workers(
+        {}, replicas=replicas, devices_per_worker=devices_per_worker, **placement
+    )
+    cfg = with_defaults(
+        cfg,
+        {**hyperparameters, **(default_settings or {})},
+        replicas=replicas,
+        devices_per_worker=devices_per_worker,
+        data_dir=data_dir,
+        fixed=hyperparameters,
+        log=log,
+    )
     client = JAXJobClient(backend)
     if cfg.tuner == "katib":
         katib.check_sweep(cfg, client.engine)
         hyperparameters = {**hyperparameters, "katib_metrics": True}
     if cfg.tuner == "ray":
         cfg, hyperparameters = _for_ray(cfg, hyperparameters)
-    lowest = lowest_point(cfg.space)
-    point = {k: v for k, v in lowest.items() if k not in RESOURCE_PARAMS}
-    checked = check_hyperparameters({**hyperparameters, **point})
-    _check_some_point_fits(cfg.space, checked, replicas, devices_per_worker, task_config)
+    check_some_point_fits(
+        cfg.space, hyperparameters, replicas, devices_per_worker, task_config, placement,
+        defaults=cfg.defaults,
+    )  # fmt: skip
     if cfg.max_workers and "replicas" not in cfg.space and replicas > cfg.max_workers:
         raise SweepError(
             f"max_workers: {cfg.max_workers} is below the {replicas} workers of every trial"
@@ -143,7 +175,7 @@ def sweep_with_jaxjobs(
     )
     tracker.log_params({"sweep": _sweep_params(cfg), "fixed": hyperparameters})
     factory = trainer_trial_spec(
-        image=image,
+        image=tpu.image_for(accelerator, image),
         replicas=replicas,
         data_dir=data_dir,
         hyperparameters={"mlflow_experiment": mlflow_experiment, **hyperparameters},
@@ -152,6 +184,7 @@ def sweep_with_jaxjobs(
         trial_timeout=cfg.trial_timeout,
         extra_env=worker_env(workspace, tracker.tracking_uri or ""),
         devices_per_worker=devices_per_worker,
+        **placement,
         queue_name=queue_name,
         priority_class=priority_class,
     )
@@ -166,6 +199,8 @@ def sweep_with_jaxjobs(
                                      tracker=tracker, replicas=replicas, log=log)  # fmt: skip
         else:
             result = tune(cfg, factory, trials_root, client=client, tracker=tracker, log=log)
+        result = decide(result, cfg)
+        log(f"sweep: {result.reason}")
         _record_best(tracker, result, trials_root)
         figures = sweep_figures(result, cfg)
         for name, fig in figures.items():
@@ -233,24 +268,120 @@ def _sweep_with_ray(cfg, factory, trials_root, backend, hyperparameters, *, trac
     return SweepResult(dict(best["params"]), float(best["value"]), best["number"], trials)
 
 
-def _check_some_point_fits(space, checked, replicas, devices_per_worker, task_config) -> None:
-    """Refuse a space none of whose points the devices can run, before any job: the point
-    most likely to fit (every resource at its most, every other setting at its lowest) is
-    checked against the mesh and the memory plan. Other points that do not fit are skipped
-    one by one as the sweep meets them."""
-    point = lowest_point(space)
+def point_error(
+    point: dict, space, hyperparameters, replicas, devices_per_worker, task_config, placement
+) -> InfeasibleError | None:
+    """Why the devices cannot run a trial of `point` (the mesh, the accelerator, the memory
+    plan), or None: the trainer's settings (`hyperparameters` and the point's) checked on the
+    point's resources, a searched resource the point lacks at its most."""
+    point = dict(point)
     for name in RESOURCE_PARAMS:
         entry = space.get(name)
-        if entry is not None:
+        if entry is not None and name not in point:
             point[name] = max(entry["choices"]) if "choices" in entry else entry["high"]
-    pod = task_config_fields(task_config)
-    pod["resources"] = pod_resources(pod, int(point.get("devices_per_worker", devices_per_worker)))
+    settings = {k: v for k, v in point.items() if k not in RESOURCE_PARAMS}
+    checked = check_hyperparameters({**hyperparameters, **settings})
+    workers, pod, shape = place_workers(
+        task_config_fields(task_config),
+        replicas=int(point.get("replicas", replicas)),
+        devices_per_worker=int(point.get("devices_per_worker", devices_per_worker)),
+        **placement,
+    )
     try:
-        check_job(checked, int(point.get("replicas", replicas)), pod)
+        check_job(checked, workers, pod, shape)
     except InfeasibleError as err:
-        raise InfeasibleError(
-            f"search_space: no point can run, not even {point} with the most resources: {err}"
-        ) from err
+        return err
+    return None
+
+
+def check_some_point_fits(
+    space, hyperparameters, replicas, devices_per_worker, task_config, placement, defaults=None
+) -> None:
+    """Refuse a space none of whose points the devices can run, before any job: the points
+    most likely to fit — the space's lowest (every setting at its first value) and the
+    defaults' (`defaults`), each with every resource at its most — are checked
+    (`point_error`). Other points that do not fit are skipped one by one as the sweep meets
+    them."""
+    lowest = {k: v for k, v in lowest_point(space).items() if k not in RESOURCE_PARAMS}
+    candidates = [lowest] + ([dict(defaults)] if defaults else [])
+    failure = None
+    for point in candidates:
+        for name in RESOURCE_PARAMS:  # the most resources, the defaults' own included
+            entry = space.get(name)
+            if entry is not None:
+                point[name] = max(entry["choices"]) if "choices" in entry else entry["high"]
+        err = point_error(
+            point, space, hyperparameters, replicas, devices_per_worker, task_config, placement
+        )
+        if err is None:
+            return
+        failure = failure or err
+    tried = " nor the defaults' " + str(candidates[1]) if len(candidates) > 1 else ""
+    raise InfeasibleError(
+        f"search_space: no point can run, not even {candidates[0]}{tried} with the most "
+        f"resources: {failure}"
+    ) from failure
+
+
+def check_space_settings(space: dict[str, dict]) -> None:
+    """Every searched name is a trainer setting or a trial resource: SweepError naming the
+    first that is not, before anything starts."""
+    known = {f.name for f in dataclasses.fields(TrainConfig)} - set(RESERVED)
+    for name in space:
+        if name not in known and name not in RESOURCE_PARAMS:
+            raise SweepError(
+                f"search_space.{name}: not a setting the trainer takes; search trainer settings "
+                f"(learning_rate, lora_rank, lora_alpha, warmup_ratio, ...: `python -m "
+                f"kubejax.trainer --help`) or {' or '.join(RESOURCE_PARAMS)}"
+            )
+
+
+def eval_examples(data_dir: str, hyperparameters: dict) -> int:
+    """Validation examples each trial's evaluation scores: the prepared dataset's validation
+    rows (its metadata), capped by `max_eval_examples`; 0 where the metadata is not there."""
+    try:
+        meta = json.loads((Path(data_dir) / METADATA_FILE).read_text())
+        rows = int(meta["splits"]["validation"]["rows"])
+    except (OSError, KeyError, TypeError, ValueError):
+        return 0
+    cap = int(hyperparameters.get("max_eval_examples") or 0)
+    return min(rows, cap) if cap > 0 else rows
+
+
+def with_defaults(
+    cfg: SweepConfig,
+    settings: dict,
+    *,
+    replicas: int,
+    devices_per_worker: int,
+    data_dir: str,
+    fixed: dict,
+    log: Callable[[str], None] = print,
+) -> SweepConfig:
+    """`cfg` with its defaults' point (`cfg.defaults`, completed from `settings` over the
+    trainer's own defaults; the resources from `replicas` and `devices_per_worker`), its space
+    widened where a default lies outside it (said in the log), and its evaluations' size
+    (`eval_examples`, from the dataset and the trials' `fixed` settings) unless given."""
+    trainer = {f.name: f.default for f in dataclasses.fields(TrainConfig)}
+    values = {
+        **trainer,
+        **settings,
+        "replicas": replicas,
+        "devices_per_worker": devices_per_worker,
+        **cfg.defaults,
+    }
+    try:
+        point, space, notes = default_point(cfg.space, values)
+    except KeyError as err:  # check_space_settings named every unknown one before
+        raise SweepError(f"search_space.{err.args[0]}: no default value is known") from err
+    for note in notes:
+        log(f"sweep: search_space.{note}")
+    return dataclasses.replace(
+        cfg,
+        space=space,
+        defaults=point,
+        eval_examples=cfg.eval_examples or eval_examples(data_dir, fixed),
+    )
 
 
 def _sweep_params(cfg: SweepConfig) -> dict:
@@ -259,23 +390,45 @@ def _sweep_params(cfg: SweepConfig) -> dict:
 
 
 def _record_best(tracker: tracking.Tracker, result: SweepResult, trials_root: str) -> None:
-    """The best trial on the sweep's run (params, tags, summary) and on the trial's own run."""
+    """The best trial on the sweep's run (params, tags, summary) beside the defaults' trial
+    (its value, the sweep's gain over it and that gain's standard error, what the final
+    training keeps), and on the trial's own run."""
     tracker.log_params({f"best.{k}": v for k, v in result.best_params.items()})
-    tracker.log_summary(
-        {
-            "best_value": result.best_value,
-            "trial_steps": result.trial_steps,
-            **{f"trials_{k}": v for k, v in result.counts.items()},
-        }
-    )
+    tracker.log_summary({**outcome_metrics(result), "trial_steps": result.trial_steps})
     best_job = next(t["job"] for t in result.trials if t["number"] == result.best_trial)
     tracker.set_tags(
-        {"kubejax.best_trial": str(result.best_trial), "kubejax.best_jaxjob": best_job}
+        {
+            "kubejax.best_trial": str(result.best_trial),
+            "kubejax.best_jaxjob": best_job,
+            "kubejax.defaults_trial": str(result.defaults_trial),
+            "kubejax.sweep_choice": result.choice,
+            "kubejax.sweep_reason": result.reason[:5000],
+        }
     )
     best_dir = Path(trials_root) / f"trial-{result.best_trial:03d}"
     best_run = read_metrics(best_dir).get("mlflow_run_id")
     if best_run:
         tracker.update_run(best_run, {"kubejax.best_trial": "true"})
+
+
+def outcome_metrics(result: SweepResult) -> dict[str, float]:
+    """The sweep's figures for MLflow and the KFP UI: the best value, the defaults' value, the
+    gain and its standard error (where known), whether the defaults were kept, the counts."""
+    figures = {
+        "best_value": result.best_value,
+        "best_trial": result.best_trial,
+        "kept_defaults": float(result.choice == "defaults"),
+        **{f"trials_{state}": n for state, n in result.counts.items()},
+    }
+    best = result.trial(result.best_trial)
+    optional = {
+        "best_value_se": best.get("se") if best else None,
+        "defaults_value": result.defaults_value,
+        "defaults_trial": result.defaults_trial,
+        "sweep_gain": result.gain,
+        "sweep_gain_se": result.gain_se,
+    }
+    return {**figures, **{k: v for k, v in optional.items() if v is not None}}
 
 
 @dataclass
@@ -291,10 +444,13 @@ def sweep_task(
     dataset_path: str,
     trials_path: str,
     report_path: str,
+    summary_path: str = "",
     *,
     base_model: str,
     search_space: str,
     hyperparameters: dict | None = None,
+    default_settings: dict | None = None,
+    min_gain_se: float = 2.0,
     objective: str = "eval_accuracy",
     direction: str = "maximize",
     tuner: str = "optuna",
@@ -312,6 +468,8 @@ def sweep_task(
     seed: int = 0,
     replicas: int = 1,
     devices_per_worker: int = 0,
+    accelerator: str = "nvidia",
+    tpu_topology: str = "",
     mesh: str = "",
     peft: str = "",
     lora_rank: int = 0,
@@ -334,7 +492,8 @@ def sweep_task(
     """The tune-sweep component's work (its parameters, by the same names; see the component
     for each one's meaning). The study runs in the task's folder of the workspace (data, trial
     folders, the sqlite study, so a retried task continues it); every trial goes to
-    `trials_path` as JSON and the HTML report to `report_path`."""
+    `trials_path` as JSON, the HTML report to `report_path` and the Markdown summary (the
+    best trial beside the defaults') to `summary_path`."""
     study = job_name(run_id, task_name, prefix="sweep") if run_id else "sweep"
     root = task_root(workspace_path, study, Path(trials_path).parent / study)
     cfg = SweepConfig(
@@ -354,6 +513,7 @@ def sweep_task(
         pbt_mutations=pbt_mutations,
         perturbation_interval=perturbation_interval,
         seed=seed,
+        min_gain_se=min_gain_se,
         storage=storage or f"sqlite:///{root / 'study.db'}",
         study_name=study,
         poll_seconds=poll_seconds,
@@ -374,9 +534,11 @@ def sweep_task(
             ),
             "model": base_model,
         },
-        image=image or IMAGE,
+        image=image,
         replicas=replicas,
         devices_per_worker=devices_per_worker,
+        accelerator=accelerator,
+        tpu_topology=tpu_topology,
         backend=backend,
         task_config=task_config,
         mlflow_tracking_uri=mlflow_tracking_uri,
@@ -385,14 +547,19 @@ def sweep_task(
         workspace=workspace_path,
         queue_name=queue_name,
         priority_class=priority_class,
+        default_settings=with_settings(
+            default_settings or {},
+            peft=peft,
+            lora_rank=lora_rank,
+            lora_alpha=lora_alpha,
+            lora_targets=lora_targets,
+            lora_dropout=lora_dropout,
+        ),
         log=log_to_stdout,
     )
     write_trials(result, trials_path)
     write_report(result, cfg, report_path)
-    metrics = {
-        "best_value": result.best_value,
-        "best_trial": result.best_trial,
-        "trial_steps": result.trial_steps,
-        **{f"trials_{state}": n for state, n in result.counts.items()},
-    }
+    if summary_path:
+        Path(summary_path).write_text(summary_markdown(result, cfg))
+    metrics = {**outcome_metrics(result), "trial_steps": result.trial_steps}
     return SweepOutcome(result, metrics, parent)

@@ -30,6 +30,7 @@ from kubejax.tune.ray_tune import ALGORITHMS as RAY_ALGORITHMS
 from kubejax.tune.space import (
     ALGORITHMS,
     PRUNERS,
+    RESOURCE_PARAMS,
     SweepError,
     grid,
     make_pruner,
@@ -49,6 +50,8 @@ WORKERS_ATTR, START_ATTR, END_ATTR = "kubejax_workers", "kubejax_start", "kubeja
 NOT_STARTED_ATTR = "kubejax_not_started"
 #: Why a trial was pruned before it started (its settings do not fit the devices).
 SKIPPED_ATTR = "kubejax_skipped"
+#: The trial of the run's default settings (the first of the study).
+DEFAULTS_ATTR = "kubejax_defaults"
 _STATE_NAMES = {
     optuna.trial.TrialState.COMPLETE: "complete",
     optuna.trial.TrialState.PRUNED: "pruned",
@@ -97,6 +100,24 @@ class SweepConfig:
         "learning_rate,weight_decay",
     )
     seed: int = _f(0, "seed of the sampler")
+    defaults: dict = field(
+        default_factory=dict,
+        metadata={
+            "help": "the run's default settings as a point of the space (JSON): the study's "
+            "first trial, the candidate the sweep must beat; empty: the trainer trials' own "
+            "(the final training's settings, their fixed ones, then the trainer's defaults)"
+        },
+    )
+    min_gain_se: float = _f(
+        2.0,
+        "the best trial replaces the defaults' only when it beats it by more than this many "
+        "standard errors of the difference of their evaluations (where known)",
+    )
+    eval_examples: int = _f(
+        0,
+        "validation examples each trial's evaluation scores (an accuracy's standard error "
+        "sqrt(p(1-p)/n) comes from it); 0: unknown (the trainer trials: the dataset's)",
+    )
     storage: str = _f("", "Optuna RDB URL; empty: in memory")
     study_name: str = _f("kubejax-sweep", "the study's name in its storage")
     poll_seconds: float = _f(POLL_SECONDS, "how often the trials are looked at")
@@ -137,6 +158,17 @@ class SweepConfig:
             raise SweepError(f"max_failed_trials: must be 0 or more, got {self.max_failed_trials}")
         if self.trial_timeout <= 0:
             raise SweepError(f"trial_timeout: must be positive, got {self.trial_timeout}")
+        if self.min_gain_se < 0:
+            raise SweepError(f"min_gain_se: must be 0 or more, got {self.min_gain_se}")
+        if self.eval_examples < 0:
+            raise SweepError(f"eval_examples: must be 0 or more, got {self.eval_examples}")
+        if not isinstance(self.defaults, dict):
+            raise SweepError("defaults: must be a JSON object of searched setting → value")
+        unknown = sorted(set(self.defaults) - set(self.space))
+        if unknown:
+            raise SweepError(
+                f"defaults: {', '.join(unknown)} not in search_space ({', '.join(self.space)})"
+            )
 
 
 @dataclass
@@ -147,6 +179,36 @@ class SweepResult:
     best_value: float
     best_trial: int
     trials: list[dict] = field(default_factory=list)
+    #: the defaults' trial (its number; None: it did not run) and what the sweep keeps:
+    #: "best" (the best trial's params) or "defaults" (the best did not beat them beyond the
+    #: noise); `decide` sets these
+    defaults_trial: int | None = None
+    choice: str = "best"
+    #: best − defaults (objective's direction: positive is better), its standard error, and
+    #: why the choice was made, in one line
+    gain: float | None = None
+    gain_se: float | None = None
+    reason: str = ""
+
+    @property
+    def defaults_value(self) -> float | None:
+        """The defaults' trial's objective (None: it did not complete)."""
+        t = self.trial(self.defaults_trial)
+        return t["value"] if t is not None and t["state"] == "complete" else None
+
+    @property
+    def chosen_params(self) -> dict:
+        """What the final training takes from the sweep: the best trial's params, or the
+        defaults' trial's when they were kept (the final training's own settings, where
+        the defaults came from them), resources aside (the final training has its own)."""
+        if self.choice != "defaults":
+            return dict(self.best_params)
+        params = self.trial(self.defaults_trial)["params"]
+        return {k: v for k, v in params.items() if k not in RESOURCE_PARAMS}
+
+    def trial(self, number: int | None) -> dict | None:
+        """The record of trial `number`, or None."""
+        return next((t for t in self.trials if t["number"] == number), None)
 
     @property
     def counts(self) -> dict[str, int]:
@@ -198,13 +260,19 @@ class Controller:
         )
         optuna.logging.set_verbosity(optuna.logging.WARNING)
         self.max_trials = cfg.max_trials
+        fresh = not self.study.get_trials(deepcopy=False)
+        # The defaults run first, once, enqueued by the attempt that creates the study: the
+        # sweep can then only replace them with something it measured better (`decide`).
+        if fresh and cfg.defaults:
+            self.study.enqueue_trial(cfg.defaults, user_attrs={DEFAULTS_ATTR: True})
         if cfg.algorithm == "grid":
             # GridSampler stops the study from inside, which ask/tell does not allow: the grid
             # points are enqueued instead, once, by the attempt that creates the study.
-            points = grid(cfg.space)
-            self.max_trials = min(cfg.max_trials, len(points))
-            if not self.study.get_trials(deepcopy=False):
-                for point in points[: self.max_trials]:
+            points = [p for p in grid(cfg.space) if p != cfg.defaults]
+            first = 1 if cfg.defaults else 0
+            self.max_trials = min(cfg.max_trials, len(points) + first)
+            if fresh:
+                for point in points[: self.max_trials - first]:
                     self.study.enqueue_trial(point)
 
     def run(self) -> SweepResult:
@@ -328,7 +396,9 @@ class Controller:
             a.trial.report(float(rec[self.cfg.objective]), int(rec["step"]))
             a.reported += 1
             final_step = rec["step"] == metrics.get("total_steps")
-            if not final_step and a.trial.should_prune():
+            # The defaults' trial is the reference every other is judged against: never cut.
+            reference = a.trial.user_attrs.get(DEFAULTS_ATTR, False)
+            if not final_step and not reference and a.trial.should_prune():
                 self.client.delete_job(a.name)
                 self.finish(number, optuna.trial.TrialState.PRUNED, reason=f"at step {rec['step']}")
                 return
@@ -433,7 +503,74 @@ def _record(t: optuna.trial.FrozenTrial) -> dict:
         "end": end,
         "worker_seconds": None if seconds is None else round(workers * seconds, 2),
         **({"skipped": t.user_attrs[SKIPPED_ATTR]} if SKIPPED_ATTR in t.user_attrs else {}),
+        **({"defaults": True} if t.user_attrs.get(DEFAULTS_ATTR) else {}),
     }
+
+
+def standard_error(objective: str, value: float | None, examples: int | None) -> float | None:
+    """The standard error of a trial's evaluation: an accuracy's binomial one, sqrt(p(1-p)/n)
+    over its `examples` scored; None where unknown (another objective, n not known)."""
+    if value is None or not examples or "accuracy" not in objective or not 0 <= value <= 1:
+        return None
+    return math.sqrt(value * (1 - value) / examples)
+
+
+def decide(result: SweepResult, cfg: SweepConfig) -> SweepResult:
+    """What the sweep keeps: its best trial, or the defaults' trial when the best does not
+    beat it by more than `cfg.min_gain_se` standard errors of their difference (the two
+    evaluations' errors combined, sqrt(se_best² + se_defaults²)); with no error known, any
+    gain. Each trial's record gets its standard error (`se`) and examples; the result its
+    `defaults_trial`, `choice`, `gain`, `gain_se` and the one-line `reason`."""
+    for t in result.trials:
+        t["eval_examples"] = t.get("eval_examples") or cfg.eval_examples or None
+        t["se"] = standard_error(cfg.objective, t["value"], t["eval_examples"])
+    defaults = next((t for t in result.trials if t.get("defaults")), None)
+    best = result.trial(result.best_trial)
+    result.defaults_trial = None if defaults is None else defaults["number"]
+    result.choice, result.gain, result.gain_se = "best", None, None
+    name = cfg.objective
+    if defaults is None:
+        result.reason = "no trial of the defaults ran: the best trial's settings are kept"
+        return result
+    if defaults["state"] != "complete":
+        result.reason = (
+            f"the defaults' trial {defaults['number']} {defaults['state']}: nothing to compare "
+            f"the best trial {best['number']} with; its settings are kept"
+        )
+        return result
+    sign = 1.0 if cfg.direction == "maximize" else -1.0
+    result.gain = sign * (best["value"] - defaults["value"])
+    errors = (best["se"], defaults["se"])
+    if best is not defaults and None not in errors:
+        result.gain_se = math.hypot(*errors)
+    if best is defaults or result.gain <= 0:
+        result.choice = "defaults"
+        result.reason = (
+            f"the defaults' trial {defaults['number']} is the best ({name}="
+            f"{_pm(defaults)}): the final training keeps the defaults"
+        )
+        return result
+    needed = cfg.min_gain_se * (result.gain_se or 0.0)
+    versus = (
+        f"best trial {best['number']} ({name}={_pm(best)}) against the defaults' trial "
+        f"{defaults['number']} ({_pm(defaults)}): gain {result.gain:+.4f}"
+    )
+    if result.gain_se:
+        versus += f" = {result.gain / result.gain_se:.1f} standard errors"
+    if result.gain > needed:
+        result.reason = f"{versus}; the best trial's settings replace the defaults"
+        return result
+    result.choice = "defaults"
+    result.reason = (
+        f"{versus}, within {cfg.min_gain_se:g} standard errors (the noise of evaluations on "
+        f"{best['eval_examples']} examples): the final training keeps the defaults"
+    )
+    return result
+
+
+def _pm(t: dict) -> str:
+    """A trial's value with its standard error, e.g. 0.8120 ± 0.0124."""
+    return f"{t['value']:.4f}" + (f" ± {t['se']:.4f}" if t.get("se") is not None else "")
 
 
 def tag_trial_run(tracker: tracking.Tracker, run_id: str, state: str) -> None:
@@ -451,10 +588,12 @@ def tune(
     tracker: tracking.Tracker | None = None,
     log: Callable[[str], None] = print,
 ) -> SweepResult:
-    """Run the study to `max_trials`; return the best trial and every trial's record.
+    """Run the study to `max_trials`; return the best trial, every trial's record and the
+    choice between the best and the defaults' trial (`decide`; the defaults, `cfg.defaults`,
+    are the study's first trial).
 
     `trial_spec(number, params, output_dir, job_name)` builds the job of a trial.
     """
     client = client or JAXJobClient("auto")
     tracker = tracker or tracking.Tracker()
-    return Controller(cfg, trial_spec, trials_root, client, tracker, log).run()
+    return decide(Controller(cfg, trial_spec, trials_root, client, tracker, log).run(), cfg)

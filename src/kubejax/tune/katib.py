@@ -332,13 +332,16 @@ class KatibRun:
     name: str
     log: Callable[[str], None] = print
     poll_seconds: float = 5.0
+    trial_name: str = ""
 
     def _call(self, verb: str, *args, **kw):
         method = getattr(self.custom, f"{verb}_namespaced_custom_object")
         return method(GROUP, VERSION, self.namespace, *args, **kw)
 
-    def start(self, exp: dict) -> None:
-        """Create the Experiment, or re-attach to the one of its name (a retried step)."""
+    def start(self, exp: dict, first_trial: dict | None = None) -> None:
+        """Create the Experiment, its `first_trial` (the defaults', `defaults_trial`) before
+        it so that Katib's controller counts it from its first look; or re-attach to the
+        Experiment of its name (a retried step)."""
         from kubernetes.client.rest import ApiException
 
         try:
@@ -348,14 +351,28 @@ class KatibRun:
         except ApiException as err:
             if err.status != 404:
                 raise
+        if first_trial is not None:
+            self.trial_name = first_trial["metadata"]["name"]
+            run_spec = first_trial["spec"]["runSpec"]
+            run_spec["metadata"] = {**run_spec["metadata"], "namespace": self.namespace}
+            metadata = {**first_trial["metadata"], "namespace": self.namespace}
+            try:
+                self._call("create", TRIALS, {**first_trial, "metadata": metadata})
+            except ApiException as err:
+                if err.status != 409:  # made by an attempt that died before its Experiment
+                    raise
+            self.log(f"sweep: created the defaults' Trial {self.namespace}/{self.trial_name}")
         metadata = {**exp["metadata"], "namespace": self.namespace}
         self._call("create", EXPERIMENTS, {**exp, "metadata": metadata})
         self.log(f"sweep: created Katib Experiment {self.namespace}/{self.name}")
 
     def delete(self) -> None:
-        """Delete the Experiment (its trials and their jobs go with it)."""
+        """Delete the Experiment (the trials it made and their jobs go with it) and the
+        defaults' Trial kubejax made (its job with it)."""
         with contextlib.suppress(Exception):
             self._call("delete", EXPERIMENTS, self.name)
+        with contextlib.suppress(Exception):
+            self._call("delete", TRIALS, defaults_trial_name(self.name))
 
     def wait(self) -> dict:
         """Read the Experiment until it has succeeded (returned); SweepError in one line when
@@ -394,6 +411,57 @@ class KatibRun:
                                             t["metadata"]["name"]))  # fmt: skip
 
 
+def defaults_trial_name(experiment_name: str) -> str:
+    """The name of the Experiment's Trial of the defaults (its job's and output folder's)."""
+    return f"{experiment_name}-defaults"
+
+
+def defaults_trial(exp: dict, point: dict) -> dict:
+    """The Experiment's Trial of the defaults `point` (searched setting → value), built as
+    Katib's experiment controller builds a Trial from a suggestion (`createTrialInstance`:
+    the Experiment's labels and objective, the parameter assignments, the trial template with
+    every trial parameter substituted as its manifest generator does, the run spec named
+    after the Trial, the metrics collector, the primary pod and the conditions).
+
+    Katib has no setting that makes a suggestion service start from a given point, so kubejax
+    creates this Trial itself, before the Experiment: Katib's controller then counts it among
+    the Experiment's trials (it lists Trials by the experiment label), towards maxTrialCount
+    and parallelTrialCount, its suggestion services see its assignments and observation as
+    any other trial's, and `currentOptimalTrial` weighs it. It has no owner (the Experiment
+    does not exist yet): `KatibRun.delete` deletes it with the Experiment. No early-stopping
+    rule is set on it: the defaults are the reference every other trial is judged against."""
+    spec, name = exp["spec"], exp["metadata"]["name"]
+    template = spec["trialTemplate"]
+    trial = defaults_trial_name(name)
+    values = {p["name"]: _text(point[p["name"]]) for p in spec["parameters"]}
+    text = json.dumps(template["trialSpec"])
+    for param in template["trialParameters"]:
+        ref = param["reference"]
+        value = trial if ref == "${trialSpec.Name}" else values[ref]
+        text = text.replace(placeholder(param["name"]), value)
+    run_spec = json.loads(text)
+    run_spec["metadata"] = {**run_spec.get("metadata", {}), "name": trial}
+    return {
+        "apiVersion": f"{GROUP}/{VERSION}",
+        "kind": "Trial",
+        "metadata": {
+            "name": trial,
+            "labels": {**exp["metadata"].get("labels", {}), EXPERIMENT_LABEL: name},
+        },
+        "spec": {
+            "objective": spec["objective"],
+            "parameterAssignments": [{"name": k, "value": v} for k, v in values.items()],
+            "runSpec": run_spec,
+            "retainRun": template.get("retain", False),
+            "metricsCollector": spec["metricsCollectorSpec"],
+            "primaryPodLabels": template["primaryPodLabels"],
+            "primaryContainerName": template["primaryContainerName"],
+            "successCondition": template["successCondition"],
+            "failureCondition": template["failureCondition"],
+        },
+    }
+
+
 #: A Trial's last true condition → the sweep's trial state.
 _STATES = {"Succeeded": "complete", "EarlyStopped": "pruned", "Failed": "failed",
            "MetricsUnavailable": "failed", "Killed": "failed"}  # fmt: skip
@@ -404,6 +472,7 @@ def trial_records(cfg, trials: list[dict], trials_root: str, workers: int) -> li
     value from its observation, params in the space's types, steps and evaluations from the
     trial's metrics.json."""
     out = []
+    defaults = defaults_trial_name(cfg.study_name)
     for number, t in enumerate(trials):
         status = t.get("status") or {}
         true = [c["type"] for c in status.get("conditions") or [] if str(c.get("status")) == "True"]
@@ -431,6 +500,7 @@ def trial_records(cfg, trials: list[dict], trials_root: str, workers: int) -> li
             "end": end,
             "worker_seconds": None if seconds is None else round(workers * seconds, 2),
             "mlflow_run_id": output.get("mlflow_run_id", ""),
+            **({"defaults": True} if t["metadata"]["name"] == defaults else {}),
         })  # fmt: skip
     return out
 

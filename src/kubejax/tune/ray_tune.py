@@ -253,7 +253,7 @@ def scheduler(cfg, max_t: int, grace: int):
     from ray.tune.schedulers import ASHAScheduler, FIFOScheduler, PopulationBasedTraining
 
     if cfg.scheduler == "asha":
-        return ASHAScheduler(
+        return _sparing(ASHAScheduler, cfg.defaults)(
             time_attr="step", max_t=max_t, grace_period=grace, reduction_factor=cfg.reduction_factor
         )
     if cfg.scheduler == "pbt":
@@ -294,30 +294,71 @@ def _pbt_class(base):
     return PBT
 
 
+def _sparing(base, defaults: dict):
+    """A Tune scheduler that never stops the defaults' trial early: it is the reference the
+    sweep's choice weighs every other trial against (`kubejax.tune.controller.decide`)."""
+    from ray.tune.schedulers import TrialScheduler
+
+    class Sparing(base):
+        def on_trial_result(self, tune_controller, trial, result):
+            decision = super().on_trial_result(tune_controller, trial, result)
+            if defaults and is_defaults(trial.config, defaults):
+                return TrialScheduler.CONTINUE
+            return decision
+
+    return Sparing
+
+
+def is_defaults(config: dict, defaults: dict) -> bool:
+    """Whether a trial's config is the defaults' point."""
+    plain = {k: v.item() if hasattr(v, "item") else v for k, v in config.items()}
+    return bool(defaults) and all(plain.get(k) == v for k, v in defaults.items())
+
+
 def search_alg(cfg):
     """Ray's search algorithm: its own random/grid variant generator (seeded), or
-    OptunaSearch (TPE)."""
+    OptunaSearch (TPE); either evaluates the defaults' point first (`points_to_evaluate`)."""
+    first = [dict(cfg.defaults)] if cfg.defaults else None
     if cfg.algorithm != "tpe":
         from ray.tune.search.basic_variant import BasicVariantGenerator
 
-        return BasicVariantGenerator(random_state=cfg.seed, max_concurrent=cfg.parallelism)
+        return BasicVariantGenerator(
+            random_state=cfg.seed, max_concurrent=cfg.parallelism, points_to_evaluate=first
+        )
     import optuna
     from ray.tune.search.optuna import OptunaSearch
 
-    return OptunaSearch(sampler=optuna.samplers.TPESampler(seed=cfg.seed))
+    return OptunaSearch(sampler=optuna.samplers.TPESampler(seed=cfg.seed), points_to_evaluate=first)
+
+
+def num_samples(cfg) -> int:
+    """Tune's num_samples: `max_trials` (the defaults' point among them); for grid, one pass
+    of the grid, plus one for the defaults' point (a point to evaluate takes a sample)."""
+    if cfg.algorithm == "grid":
+        return 2 if cfg.defaults else 1
+    return cfg.max_trials
 
 
 def records(cfg, trials_root: str, results, workers_of: Callable[[dict], int]) -> list[dict]:
     """Every Tune trial as the sweep's trial record (the Optuna path's form), numbered in
-    start order; PBT's restarts are one trial with its history of settings."""
+    start order with the defaults' trial (`cfg.defaults`) first and marked; PBT's restarts
+    are one trial with its history of settings."""
     starts: dict[str, list[dict]] = {}
     for path in sorted(Path(trials_root).glob("trial-*/trial.json")):
         data = json.loads(path.read_text())
         starts.setdefault(data["trial_id"], []).append({**data, "output_dir": str(path.parent)})
     out = []
-    ordered = sorted(starts.items(), key=lambda kv: kv[1][0]["start"])
-    for number, (trial_id, runs) in enumerate(ordered):
+    for runs in starts.values():
         runs.sort(key=lambda d: d["restart"])
+    ordered = sorted(starts.items(), key=lambda kv: kv[1][0]["start"])
+    # The defaults' trial: the earliest whose first start took the defaults' point (a sample
+    # of a categorical space may take it too, later).
+    defaults = next((tid for tid, runs in ordered if is_defaults(runs[0]["params"], cfg.defaults)),
+                    None)  # fmt: skip
+    # Numbered as the search suggested them: the defaults' point first (a parallel trial
+    # may have started a moment before it).
+    ordered.sort(key=lambda kv: kv[0] != defaults)
+    for number, (trial_id, runs) in enumerate(ordered):
         result = _result_of(results, trial_id)
         evals = [e for run in runs for e in _evals(Path(run["output_dir"]))
                  if e["step"] > run["start_step"]]  # fmt: skip
@@ -344,6 +385,7 @@ def records(cfg, trials_root: str, results, workers_of: Callable[[dict], int]) -
                          "donor": r["donor"], "job": r["job"]} for r in runs],
             "checkpoint": str(Path(runs[-1]["output_dir"]) / CHECKPOINTS),
             "mlflow_run_ids": [_run_id(r["output_dir"]) for r in runs],
+            **({"defaults": True} if trial_id == defaults else {}),
         })  # fmt: skip
     return out
 
@@ -422,7 +464,7 @@ def run(
                 mode="max" if cfg.direction == "maximize" else "min",
                 search_alg=search_alg(cfg),
                 scheduler=scheduler(cfg, max_steps, grace_steps),
-                num_samples=1 if cfg.algorithm == "grid" else cfg.max_trials,
+                num_samples=num_samples(cfg),
                 # Ray's own generator holds the limit itself (`search_alg`).
                 max_concurrent_trials=cfg.parallelism if cfg.algorithm == "tpe" else None,
             ),

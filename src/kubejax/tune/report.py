@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import html
 import json
 import warnings
 from pathlib import Path
@@ -22,6 +23,13 @@ def write_trials(result: SweepResult, path: str | Path) -> None:
                 "best_trial": result.best_trial,
                 "best_value": result.best_value,
                 "best_params": result.best_params,
+                "defaults_trial": result.defaults_trial,
+                "defaults_value": result.defaults_value,
+                "sweep_gain": result.gain,
+                "sweep_gain_se": result.gain_se,
+                "choice": result.choice,
+                "reason": result.reason,
+                "chosen_params": result.chosen_params,
                 "counts": result.counts,
                 "trial_steps": result.trial_steps,
                 "trials": result.trials,
@@ -36,9 +44,10 @@ def write_report(result: SweepResult, cfg: SweepConfig, path: str | Path) -> Non
     coordinates, slices), the objective against cost, and the trials table."""
     rows = [
         {
-            "trial": t["number"],
+            "trial": t["number"] if not t.get("defaults") else f"{t['number']} (defaults)",
             "state": t["state"],
             cfg.objective: t["value"],
+            "± se": t.get("se"),
             "steps": t["steps"],
             "workers": t.get("workers", 1),
             "worker_s": t.get("worker_seconds"),
@@ -47,10 +56,14 @@ def write_report(result: SweepResult, cfg: SweepConfig, path: str | Path) -> Non
         for t in result.trials
     ]
     figures = sweep_figures(result, cfg)
+    versus = versus_rows(result, cfg)
     sections = [
         f"<p>Best trial {result.best_trial}: {cfg.objective} = {result.best_value:.4f} with "
         f"<code>{json.dumps(result.best_params)}</code>. Trials: {result.counts}; "
         f"trial-steps: {result.trial_steps}.</p>",
+        "<h2>The best trial beside the defaults' trial</h2>"
+        + report.table(versus, columns=list(dict.fromkeys(k for r in versus for k in r)))
+        + f"<p>{html.escape(result.reason)}</p>",
         *(report.svg(fig) for fig in figures.values()),
         "<h2>Trials</h2>" + report.table(rows),
     ]
@@ -58,11 +71,80 @@ def write_report(result: SweepResult, cfg: SweepConfig, path: str | Path) -> Non
     Path(path).write_text(report.page("Hyperparameter sweep", sections))
 
 
+def versus_rows(result: SweepResult, cfg: SweepConfig) -> list[dict]:
+    """The best trial and the defaults' trial side by side, and the sweep's gain (best −
+    defaults in the objective's direction) with its standard error."""
+    rows = []
+    for label, number in (("best trial", result.best_trial), ("defaults", result.defaults_trial)):
+        t = result.trial(number)
+        if t is None:
+            rows.append({"": label, "trial": "did not run"})
+            continue
+        rows.append(
+            {
+                "": label,
+                "trial": t["number"],
+                "state": t["state"],
+                cfg.objective: t["value"],
+                "± se": t.get("se"),
+                "examples": t.get("eval_examples"),
+                "params": json.dumps(t["params"]),
+            }
+        )
+    gain = {cfg.objective: result.gain, "± se": result.gain_se}
+    rows.append({"": "sweep gain", "trial": "", "state": "", **gain, "examples": "",
+                 "params": f"kept: {result.choice}"})  # fmt: skip
+    return rows
+
+
+def summary_markdown(result: SweepResult, cfg: SweepConfig) -> str:
+    """The sweep's outcome in Markdown (the KFP UI shows it): the best trial beside the
+    defaults' trial, the gain and its standard error, and what the final training takes."""
+    rows = versus_rows(result, cfg)
+    keys = list(dict.fromkeys(k for r in rows for k in r))
+
+    def cell(v) -> str:
+        text = f"{v:.4f}" if isinstance(v, float) else ("" if v is None else str(v))
+        return text.replace("|", "\\|")
+
+    lines = [
+        "# Hyperparameter sweep",
+        "",
+        "| " + " | ".join(keys) + " |",
+        "|" + "---|" * len(keys),
+        *("| " + " | ".join(cell(r.get(k)) for k in keys) + " |" for r in rows),
+        "",
+        result.reason + ".",
+        "",
+        f"The final training takes `{json.dumps(result.chosen_params)}` "
+        f"({'the defaults' if result.choice == 'defaults' else 'the best trial'}'s settings). "
+        f"Trials: {result.counts}; trial-steps: {result.trial_steps}.",
+    ]
+    return "\n".join(lines) + "\n"
+
+
+def _space_holding(space: dict[str, dict], trials: list[dict]) -> dict[str, dict]:
+    """`space` with each dimension reaching every value its trials took (a default that
+    joined the search: `kubejax.tune.space.default_point`)."""
+    out = {name: dict(entry) for name, entry in space.items()}
+    for t in trials:
+        for name, value in t["params"].items():
+            entry = out.get(name)
+            if entry is None:
+                continue
+            if entry["type"] == "categorical":
+                if value not in entry["choices"]:
+                    entry["choices"] = [*entry["choices"], value]
+            else:
+                entry["low"], entry["high"] = min(entry["low"], value), max(entry["high"], value)
+    return out
+
+
 def study_of(result: SweepResult, cfg: SweepConfig) -> optuna.Study:
     """An in-memory Optuna study holding the sweep's trials (states, params, values and
     intermediate values), for Optuna's own plots and importances."""
     study = optuna.create_study(direction=cfg.direction)
-    dists = distributions(cfg.space)
+    dists = distributions(_space_holding(cfg.space, result.trials))
     states = {
         "complete": optuna.trial.TrialState.COMPLETE,
         "pruned": optuna.trial.TrialState.PRUNED,

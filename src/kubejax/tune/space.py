@@ -243,3 +243,60 @@ def lowest_point(space: dict[str, dict]) -> dict:
         if applies(e, point):
             point[name] = e["choices"][0] if e["type"] == "categorical" else e["low"]
     return point
+
+
+_NONE = object()
+
+
+def _matching_choice(choices: list, value):
+    """The choice equal to `value` (a rank of 32.0 is the choice 32; True is not 1), or
+    `_NONE`."""
+    for choice in choices:
+        if isinstance(choice, bool) or isinstance(value, bool):
+            if choice is value:
+                return choice
+        elif choice == value:
+            return choice
+    return _NONE
+
+
+def default_point(space: dict[str, dict], settings: dict) -> tuple[dict, dict[str, dict], list]:
+    """The point of the search space where the run's defaults lie: each dimension's value in
+    `settings` (the settings the run takes without a sweep), a conditional one only where its
+    `when` holds there. Returns that point, the space widened to hold it (a categorical's
+    choices gain the value, a range reaches it), and one note a widening. KeyError names a
+    dimension `settings` lacks."""
+    point: dict = {}
+    widened: dict[str, dict] = {}
+    notes = []
+    for name, entry in space.items():
+        if not applies(entry, point):
+            widened[name] = entry
+            continue
+        if name not in settings:
+            raise KeyError(name)
+        value = settings[name]
+        if entry["type"] == "categorical":
+            match = _matching_choice(entry["choices"], value)
+            if match is _NONE:
+                entry = {**entry, "choices": [*entry["choices"], value]}
+                notes.append(f"{name}: the default {value!r} joins the choices {entry['choices']}")
+                match = value
+            point[name] = match
+        else:
+            value = float(value) if entry["type"] == "float" else int(value)
+            if value < entry["low"] or value > entry["high"]:
+                if entry.get("log") and value <= 0:
+                    raise SweepError(
+                        f"search_space.{name}: the run's default {value} lies outside this "
+                        "log-scale range and cannot join it; set a positive default"
+                    )
+                low, high = min(entry["low"], value), max(entry["high"], value)
+                notes.append(
+                    f"{name}: the range [{entry['low']}, {entry['high']}] widened to "
+                    f"[{low}, {high}] to hold the default {value}"
+                )
+                entry = {**entry, "low": low, "high": high}
+            point[name] = value
+        widened[name] = entry
+    return point, widened, notes
