@@ -13,16 +13,7 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 out=${1:-bench}
 shift || true
-site=${KUBEJAX_TPU_SITE:-/tmp/site}
-if [ ! -d "$site/flax" ]; then
-  # The trainer's packages from the machine's own index, beside its JAX (which stays first).
-  PIP_CONFIG_FILE=/dev/null python3 -m pip install --isolated -q --only-binary=:all: \
-    --index-url file:///opt/pypi/simple --target "$site" flax==0.12.8 optax==0.2.8 \
-    'orbax-checkpoint>=0.12,<0.13' safetensors tokenizers pyarrow pandas psutil pyyaml tqdm \
-    'ml-dtypes>=0.5,<0.7'
-fi
-export PYTHONPATH="${PYTHONPATH:+$PYTHONPATH:}$site:$PWD/src:$PWD"
-export PYTHONUNBUFFERED=1
+source bench/tpu-env.sh
 mkdir -p "$out"
 python3 -m pytest -q -p no:cacheprovider tests/tpu 2>&1 | tee "$out/tpu-tests.log"
 exec python3 benchmarks/bench_tpu.py --work .bench-tpu --out "$out" "$@"

@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 
 from kubejax.trainer.train import main
-from tests.helpers import tiny_args
+from tests.helpers import assert_close_to_scale, tiny_args
 from tests.models.decoders import TINY, save_tiny
 
 
@@ -124,6 +124,30 @@ def test_decoder_settings_refused_before_training(
     assert main(tiny_args(tiny_decoder_dir, prepared_decoder, out, **flags)) == 2
     assert expected in capsys.readouterr().err
     assert not (out / "model").exists() and not (out / "metrics.json").exists()
+
+
+def test_unrolled_layers_train_as_the_scanned_ones(
+    tiny_decoder_dir, prepared_decoder, tmp_path, capsys
+):
+    """`scan_layers` false runs the same stacked layers one by one: the same losses step by
+    step as the scanned run, and the first line says which ran."""
+    losses = {}
+    for scan in (True, False):
+        out = tmp_path / f"scan-{scan}"
+        args = tiny_args(tiny_decoder_dir, prepared_decoder, out, max_steps=3, scan_layers=scan)
+        assert main(args) == 0
+        first = next(line for line in capsys.readouterr().out.splitlines() if "trainer:" in line)
+        assert ("layers in one scan" if scan else "layers unrolled") in first, first
+        rows = json.loads((out / "metrics.json").read_text())["train"]
+        losses[scan] = np.array([row["loss"] for row in rows])
+    assert_close_to_scale(losses[False], losses[True], 1e-4, "losses")
+
+
+def test_scan_layers_is_refused_for_bert(tiny_model_dir, prepared, tmp_path, capsys):
+    out = tmp_path / "out"
+    assert main(tiny_args(tiny_model_dir, prepared, out, scan_layers=False)) == 2
+    assert "scan_layers: false applies to decoder models" in capsys.readouterr().err
+    assert not (out / "metrics.json").exists()
 
 
 def test_causal_lm_needs_a_decoder(tiny_model_dir, prepared_prompts, tmp_path, capsys):

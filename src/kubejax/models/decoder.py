@@ -528,6 +528,7 @@ class DecoderModel(nnx.Module):
         self.remat = "none"
         self.attention = attention.Spec()
         self.scan = True
+        self.scan_unroll = 1
 
     def __call__(
         self,
@@ -561,29 +562,24 @@ class DecoderModel(nnx.Module):
 
         at = partial(_layer, state)
         # The last layer apart when it computes a few queries only (a classifier's last tokens,
-        # a language model's answer positions).
+        # a language model's answer positions): the scan runs the first L - 1 layers' slice of
+        # the stacked weights (a copy of them and of their gradients, ~2 % of a step on a TPU;
+        # a `lax.cond` on the index inside the scan instead cost 9 %, bench/NOTES.md T5).
         scanned = n if last_queries is None else n - 1
         if not self.scan:
             for i in range(scanned):
                 x = runner(self.kind_of_layer[i])(at(i), x, _key(layer_keys, i), None)
-        else:
-            kind_index = jnp.asarray(self.kind_of_layer, jnp.int32)
+        elif scanned:
+            kind_index = jnp.asarray(self.kind_of_layer[:scanned], jnp.int32)
+            head = state if scanned == n else jax.tree.map(lambda a: a[:scanned], state)
 
             def body(x, xs):
-                state_i, i, layer_key = xs
-                run = runner(0 if len(kinds) == 1 else kind_index[i])
-                if scanned == n:
-                    return run(state_i, x, layer_key, None), None
+                state_i, kind, layer_key = xs
+                run = runner(0 if len(kinds) == 1 else kind)
+                return run(state_i, x, layer_key, None), None
 
-                # The scan still runs over all L stacked slices and leaves the last one's
-                # output aside: the stacked parameters are read in place (a slice of L - 1
-                # would copy them).
-                def layer(x):
-                    return run(state_i, x, layer_key, None)
-
-                return jax.lax.cond(i < scanned, layer, lambda x: x, x), None
-
-            x, _ = jax.lax.scan(body, x, (state, jnp.arange(n), layer_keys))
+            keys_ = None if layer_keys is None else layer_keys[:scanned]
+            x, _ = jax.lax.scan(body, x, (head, kind_index, keys_), unroll=self.scan_unroll)
         if scanned < n:
             run = runner(self.kind_of_layer[n - 1])
             x = run(at(n - 1), x, _key(layer_keys, n - 1), last_queries)

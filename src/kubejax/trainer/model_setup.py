@@ -76,6 +76,8 @@ def classifier_for(
     _apply_dropout(cfg, model_cfg)
     if cfg.remat != "none" and not weights.is_decoder(model_cfg):
         raise ConfigError(f"remat: {cfg.remat!r} applies to decoder models; BERT trains without")
+    if not cfg.scan_layers and not weights.is_decoder(model_cfg):
+        raise ConfigError("scan_layers: false applies to decoder models; BERT's are unrolled")
     if model_dir is None:
         model, fresh = _fresh_model(cfg, model_cfg, num_labels, dtype), ["all"]
     else:
@@ -102,6 +104,7 @@ def classifier_for(
     if weights.is_decoder(model_cfg):
         model.model.remat = cfg.remat
         model.model.attention = spec
+        model.model.scan = cfg.scan_layers
     if cfg.peft != "none":
         _add_adapters(cfg, model)
     tokenizer_dir = Path(cfg.tokenizer) if cfg.tokenizer else model_dir
@@ -120,7 +123,8 @@ def model_choices(cfg: TrainConfig, model) -> list[str]:
     block = f", blocks of {spec.block}" if spec.implementation in ("splash", "chunked") else ""
     return [
         f"attention {spec.implementation} ({why}{block})",
-        f"{model.model.num_layers} layers in one scan, remat {cfg.remat}",
+        f"{model.model.num_layers} layers {'in one scan' if model.model.scan else 'unrolled'}, "
+        f"remat {cfg.remat}",
     ]
 
 

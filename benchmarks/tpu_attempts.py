@@ -1,0 +1,275 @@
+"""The TPU attempts of bench/NOTES.md: one benchmark case (`bench_tpu.cases`) run by the trainer
+under variants of the decoder that are not settings (the layers unrolled over the same stacked
+weights, every intermediate saved, the classifier's last layer inside the scan), or with
+settings over the case's, each measured as `bench_tpu.py` measures it; `profile` also traces
+three steps and writes the TPU's time per XLA operation, heaviest first.
+
+    python benchmarks/tpu_attempts.py --work .bench-tpu --out OUT \\
+        qwen05b-full-256:base+profile qwen05b-full-256:unrolled qwen05b-full-2048:nocond
+
+All attempts run in this one process, one after another (a process start and the TPU runtime's
+set-up once, not per attempt). Writes OUT/attempts.jsonl (a line per attempt) and
+OUT/profile-CASE-VARIANTS.txt.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import gc
+import glob
+import json
+import os
+import statistics
+import sys
+import tempfile
+import time
+from collections import defaultdict
+from pathlib import Path
+from unittest import mock
+
+sys.path.insert(0, str(Path(__file__).parent))
+
+import bench_tpu
+
+#: Settings over the case's, by variant name.
+SETTINGS = {
+    "block1024": {"attention_block": 1024},
+    "xla": {"attention": "xla"},
+    "chunked": {"attention": "chunked"},
+    "remat-none": {"remat": "none"},
+    "remat-full": {"remat": "full"},
+}
+
+
+def _unrolled(stack: contextlib.ExitStack) -> None:
+    """The stacked layers run one by one (`DecoderModel.scan` False)."""
+    from kubejax.models import decoder
+
+    init = decoder.DecoderModel.__init__
+
+    def unrolled_init(self, *args, **kwargs):
+        init(self, *args, **kwargs)
+        self.scan = False
+
+    stack.enter_context(mock.patch.object(decoder.DecoderModel, "__init__", unrolled_init))
+
+
+def _save_all(stack: contextlib.ExitStack) -> None:
+    """Every remat policy saves every intermediate (as an unrolled program without
+    `jax.checkpoint` does)."""
+    import jax
+
+    from kubejax.models import decoder
+
+    everything = jax.checkpoint_policies.everything_saveable
+    stack.enter_context(
+        mock.patch.dict(decoder.REMAT_POLICIES, {k: everything for k in decoder.REMAT_POLICIES})
+    )
+
+
+def _nocond(stack: contextlib.ExitStack) -> None:
+    """The classifier's last layer computed whole inside the scan (no `lax.cond`), its last
+    tokens read after the final norm."""
+    import jax.numpy as jnp
+
+    from kubejax.models import decoder
+
+    def call(self, input_ids, attention_mask, *, positions=None, starts=None,
+             deterministic=True, rngs=None):  # fmt: skip
+        tokens = decoder.tokens_of(attention_mask, positions)
+        last = decoder.last_tokens(tokens.segments, None if starts is None else starts.shape[1])
+        hidden = self.model(input_ids, tokens, None, decoder.dropout_key(deterministic, rngs))
+        hidden = jnp.take_along_axis(hidden, last[..., None], axis=1)
+        logits = self.score(hidden).astype(jnp.float32)
+        return logits[:, 0] if starts is None else logits
+
+    stack.enter_context(mock.patch.object(decoder.DecoderClassifier, "__call__", call))
+
+
+def _scan_unroll(k: int):
+    def patch(stack: contextlib.ExitStack) -> None:
+        """`lax.scan(..., unroll=k)`: k layers a loop iteration."""
+        from kubejax.models import decoder
+
+        init = decoder.DecoderModel.__init__
+
+        def unroll_init(self, *args, **kwargs):
+            init(self, *args, **kwargs)
+            self.scan_unroll = k
+
+        stack.enter_context(mock.patch.object(decoder.DecoderModel, "__init__", unroll_init))
+
+    return patch
+
+
+PATCHES = {
+    "unrolled": _unrolled,
+    "save-all": _save_all,
+    "nocond": _nocond,
+    "unroll2": _scan_unroll(2),
+    "unroll3": _scan_unroll(3),
+    "unroll4": _scan_unroll(4),
+}
+
+
+def _profiled(stack: contextlib.ExitStack, trace_dir: str, first: int = 4, count: int = 3):
+    """Trace train steps `first` .. `first + count - 1` (after the first's compile)."""
+    import jax
+
+    from kubejax.trainer import train
+
+    make = train.make_train_step
+
+    def make_traced(*args, **kwargs):
+        step = make(*args, **kwargs)
+        calls = {"n": 0}
+
+        def traced(*a, **k):
+            calls["n"] += 1
+            if calls["n"] == first:
+                jax.block_until_ready(a[:2])
+                jax.profiler.start_trace(trace_dir)
+            out = step(*a, **k)
+            if calls["n"] == first + count - 1:
+                jax.block_until_ready(out)
+                jax.profiler.stop_trace()
+            return out
+
+        # The trainer compiles the step ahead to say its memory (`train.step_program`).
+        traced.func = getattr(step, "func", step)
+        traced.keywords = getattr(step, "keywords", {})
+        return traced
+
+    stack.enter_context(mock.patch.object(train, "make_train_step", make_traced))
+
+
+def op_table(trace_dir: str, steps: int = 3, top: int = 45) -> str:
+    """The TPU's time per XLA operation over the traced steps, heaviest first, with each
+    operation's category and the JAX operation it came from."""
+    from jax.profiler import ProfileData
+
+    files = glob.glob(f"{trace_dir}/**/*.xplane.pb", recursive=True)
+    if not files:
+        return "no trace written\n"
+    data = ProfileData.from_file(files[0])
+    total: dict = defaultdict(float)
+    count: dict = defaultdict(int)
+    info: dict = {}
+    by_category: dict = defaultdict(float)
+    lines_seen = []
+    for plane in data.planes:
+        if "TPU" not in plane.name:
+            continue
+        for line in plane.lines:
+            lines_seen.append(f"{plane.name}: {line.name}")
+            if line.name != "XLA Ops":
+                continue
+            for event in line.events:
+                stats = dict(event.stats)
+                total[event.name] += event.duration_ns
+                count[event.name] += 1
+                category = str(stats.get("hlo_category", "?"))
+                by_category[category] += event.duration_ns
+                if event.name not in info:
+                    info[event.name] = (
+                        category,
+                        str(stats.get("tf_op", stats.get("name", "")))[-110:],
+                        str(stats.get("long_name", ""))[:160],
+                    )
+    all_ns = sum(total.values()) or 1.0
+    out = [f"lines: {lines_seen}", f"device time per step: {all_ns / steps / 1e6:.2f} ms", ""]
+    out.append("by category:")
+    for cat, ns in sorted(by_category.items(), key=lambda kv: -kv[1]):
+        out.append(f"  {cat:28s} {ns / steps / 1e6:9.2f} ms/step  {ns / all_ns:6.1%}")
+    out.append("")
+    out.append("ms/step   share  calls/step  category  op  <- source | hlo")
+    for name, ns in sorted(total.items(), key=lambda kv: -kv[1])[:top]:
+        cat, src, long = info[name]
+        out.append(
+            f"{ns / steps / 1e6:8.3f} {ns / all_ns:6.1%} {count[name] / steps:6.1f}  {cat}  {name}"
+            f"  <- {src} | {long}"
+        )
+    return "\n".join(out) + "\n"
+
+
+def attempt(
+    case_name: str, variants: list[str], work: Path, out: Path, peak: float, smoke: bool = False
+) -> dict:
+    """One case under `variants`, in this process: its figures (bench_tpu's row)."""
+    import jax
+
+    from kubejax.trainer import train
+
+    case = next(c for c in bench_tpu.cases(smoke) if c.name == case_name)
+    settings = dict(case.settings)
+    for v in variants:
+        settings.update(SETTINGS.get(v, {}))
+    case = bench_tpu.Case(case.name, case.model, case.data, settings, case.what, case.lora)
+    label = f"{case_name}-{'_'.join(variants)}"  # the device tool returns [A-Za-z0-9._-] names
+    run_dir = out / "runs" / label
+    trace_dir = tempfile.mkdtemp(prefix="trace-")
+    with contextlib.ExitStack() as stack:
+        for v in variants:
+            if v in PATCHES:
+                PATCHES[v](stack)
+            elif v == "profile":
+                _profiled(stack, trace_dir, *((2, 2) if smoke else (4, 3)))
+            elif v not in SETTINGS and v != "base":
+                raise SystemExit(f"unknown variant {v!r}: {sorted([*PATCHES, *SETTINGS])}")
+        t0 = time.monotonic()
+        try:
+            status = train.main(bench_tpu.trainer_args(case, work, run_dir))
+        except Exception as err:  # an out-of-memory is a result here
+            status = f"{type(err).__name__}: {str(err)[:300]}"
+        wall = time.monotonic() - t0
+    row: dict = {"attempt": label, "wall_s": round(wall, 1)}
+    if status != 0:
+        row["error"] = str(status)
+    else:
+        metrics = json.loads((run_dir / "metrics.json").read_text())
+        rows, final = metrics["train"], metrics["final"]
+        tokens = statistics.median(r["tokens_per_s"] for r in rows[1:])
+        flops = bench_tpu.flops_per_token(case.model, settings["max_length"], case.lora) * tokens
+        row.update(
+            tokens_per_s=round(tokens),
+            mfu_of_spec=round(flops / 1e12 / bench_tpu.PEAK_TFLOPS, 3),
+            mfu_of_measured=round(flops / 1e12 / peak, 3) if peak else None,
+            first_step_s=round(final.get("first_step_s") or 0.0, 1),
+            step_program_gib=round((final.get("step_program_bytes") or 0) / 2**30, 2),
+        )
+    if "profile" in variants:
+        (out / f"profile-{label}.txt").write_text(op_table(trace_dir, 2 if smoke else 3))
+    jax.clear_caches()
+    gc.collect()
+    return row
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--work", type=Path, required=True, help="the datasets' folder")
+    p.add_argument("--out", type=Path, required=True)
+    p.add_argument("--peak", type=float, default=0.0, help="the measured bf16 matmul TFLOP/s")
+    p.add_argument("--smoke", action="store_true", help="tiny shapes (checks the script)")
+    p.add_argument("attempts", nargs="+", help="CASE:VARIANT[+VARIANT...]")
+    args = p.parse_args()
+    args.out.mkdir(parents=True, exist_ok=True)
+    os.environ.update(bench_tpu_env(args.work))
+    for spec in args.attempts:
+        case_name, _, variants = spec.partition(":")
+        variants = (variants or "base").split("+")
+        row = attempt(case_name, variants, args.work, args.out, args.peak, args.smoke)
+        print(json.dumps(row), flush=True)
+        with open(args.out / "attempts.jsonl", "a") as f:
+            f.write(json.dumps(row) + "\n")
+
+
+def bench_tpu_env(work: Path) -> dict:
+    """The trainer's job environment, as bench_tpu's runs get it (its own compilation cache)."""
+    from common import job_env
+
+    return {**job_env(), "JAX_COMPILATION_CACHE_DIR": str(work / "jax-cache-attempts")}
+
+
+if __name__ == "__main__":
+    main()
