@@ -358,7 +358,55 @@ def markdown(result: dict) -> str:
             f"{r['device_peak_bytes'] / gib:.2f} GiB | {r['step_program_bytes'] / gib:.2f} GiB | "
             f"{r.get('plan_total_bytes', 0) / gib:.2f} GiB | {r.get('plan_over_program', '')} |"
         )
-    return "\n".join(lines) + "\n"
+    return "\n".join(lines + _sections(result)) + "\n"
+
+
+def _sections(result: dict) -> list[str]:
+    """The run's command, and where the results hold them, the peer's comparison
+    (`bench_tpu_peers.py`) and the attempts (`tpu_attempts.py`), each with its command."""
+    lines = [] if "command" not in result else ["", f"Command: `{result['command']}`."]
+    if result.get("comparison"):
+        tunix = result["tunix"]
+        lines += [
+            "", f"## Against Tunix on the same chip ({tunix['date'][:16].replace('T', ' ')} UTC)",
+            "", "Tunix 0.1.7 (commit ce63a9fd) + qwix 0.1.8, its own models, `PeftTrainer` and "
+            "jitted step, random bfloat16 weights, each case in a process of its own after "
+            "kubejax's. Tunix trains a causal LM (its vocabulary head is work the 6·N / 4·N count "
+            "leaves out: its MFU with the head is given too); kubejax runs the benchmark's "
+            "classifier. Tunix's Llama 3 has no splash switch (scores materialised; remat "
+            "DECODER was the setting that fit).", "",
+            "| shape | kubejax tokens/s (batch) | Tunix tokens/s (batch, remat, splash) | "
+            "kubejax / Tunix | MFU kubejax | MFU Tunix (incl. its LM head) | first step "
+            "kubejax / Tunix |",
+            "| --- | --- | --- | --- | --- | --- | --- |",
+        ]  # fmt: skip
+        for c in result["comparison"]:
+            lines.append(
+                f"| {c['tunix']} | {c['kubejax_tokens_per_s']:,} ({c['kubejax_batch']} × 2048) | "
+                f"{c['tunix_tokens_per_s']:,} ({c['tunix_batch']} × 2048, {c['tunix_remat']}, "
+                f"{'on' if c['tunix_splash'] else 'off'}) | **{c['ratio']:.2f}×** | "
+                f"{c['kubejax_mfu']:.2f} | {c['tunix_mfu']:.2f} "
+                f"({c['tunix_mfu_incl_lm_head']:.2f}) | {c['kubejax_first_step_s']:.1f} s / "
+                f"{c['tunix_first_step_s']:.1f} s |"
+            )
+        lines += ["", f"Command: `{result['tunix_command']}`."]
+    if result.get("attempts"):
+        lines += [
+            "", "## Attempts (bench/NOTES.md, T4-T6)", "",
+            "| attempt | tokens/s | MFU (197) | first step | step program | note |",
+            "| --- | --- | --- | --- | --- | --- |",
+        ]  # fmt: skip
+        for a in result["attempts"]:
+            if "error" in a:
+                lines.append(f"| {a['attempt']} | | | | | {a['error'][:150]} |")
+                continue
+            lines.append(
+                f"| {a['attempt']} | {a['tokens_per_s']:,} | {a['mfu_of_spec']:.3f} | "
+                f"{a['first_step_s']:.1f} s | {a['step_program_gib']:.2f} GiB | "
+                f"{a.get('note', '')} |"
+            )
+        lines += ["", f"Command: `{result['attempts_command']}`."]
+    return lines
 
 
 def main() -> None:

@@ -232,4 +232,7 @@ def test_the_tpu_benchmark_counts_flops_and_writes_its_table():
     result = json.loads((ROOT / "bench" / "tpu-results.json").read_text())
     table = bench_tpu.markdown(result)
     assert table == (ROOT / "bench" / "tpu-results.md").read_text()
-    assert table.count("\n| ") == len(result["cases"]) + 2  # the header, its rule, the rows
+    main_table = table.split("\n## ")[0]  # then the peer's comparison and the attempts
+    assert main_table.count("\n| ") == len(result["cases"]) + 2  # the header, its rule, the rows
+    rows = len(result.get("comparison", [])) + len(result.get("attempts", []))
+    assert table.count("\n| ") - main_table.count("\n| ") == rows + 4 * (rows > 0)
