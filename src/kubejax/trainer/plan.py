@@ -220,7 +220,7 @@ def plan_memory(
         grads=trained * (2 if cfg.grad_accum_steps > 1 else 1),
         optimizer=sum(_moment_elements(cfg, e, mx) * 4 for e, mx in trains),
         activations=_activations(
-            cfg, model_cfg, sizes, micro, attention_of(cfg, model_cfg, platform)
+            cfg, model_cfg, sizes, micro, attention_of(cfg, model_cfg, platform), platform
         ),
         gathered=_gathered(params, shards, sizes, pbytes, cfg),
         device_memory=device_memory,
@@ -336,14 +336,21 @@ def _attention(cfg: TrainConfig, model_cfg, platform: str) -> tuple[attention.Sp
 
 
 #: One layer's working set while its backward pass runs (its recomputation, the gradients of
-#: its intermediates in float32), in multiples of what an unrecomputed layer keeps: fitted to
-#: XLA's memory analysis of the TPU v5e's compiled steps (Qwen2.5-0.5B and Llama-3.2-1B shapes,
-#: LoRA and full, each remat; bench/NOTES.md, attempt T3).
-WORKING_LAYERS = 3
+#: its intermediates in float32), in multiples of what an unrecomputed layer keeps, by
+#: platform: on a TPU fitted to XLA's memory analysis of the v5e's compiled steps (Qwen2.5-0.5B
+#: and Llama-3.2-1B shapes, LoRA and full, each remat; bench/NOTES.md, P1), on the CPU to its
+#: compiled steps in tests/trainer/test_plan.py (XLA's CPU backend frees more of it sooner). A
+#: GPU's is unmeasured: the TPU's, the higher.
+WORKING_LAYERS = {"tpu": 3.0, "gpu": 3.0, "cpu": 2.0}
 
 
 def _activations(
-    cfg: TrainConfig, model_cfg, sizes: dict[str, int], micro: int, spec: attention.Spec
+    cfg: TrainConfig,
+    model_cfg,
+    sizes: dict[str, int],
+    micro: int,
+    spec: attention.Spec,
+    platform: str = "cpu",
 ) -> int:
     """What the backward pass holds of one micro-batch on one device. A decoder's scanned
     layers keep, per token and layer, what `remat`'s policy saves: `none` and `minimal` the
@@ -375,11 +382,18 @@ def _activations(
         "minimal": (3 * h + 2 * q + 2 * kv + 2 * m) * cbytes + stats,
         "full": h * cbytes,
     }[cfg.remat]
-    working = WORKING_LAYERS * (elems * cbytes + (scores if impl == "xla" else 0))
+    per_layer = elems * cbytes + (scores if impl == "xla" else 0)
+    working = WORKING_LAYERS.get(platform, 3.0) * per_layer
+    # A classifier's last layer computes its last tokens' queries alone: the scan keeps L - 1
+    # layers', the last layer its input and every token's keys and values.
+    last = 0
+    if (cfg.task or "classification") == "classification":
+        layers -= 1
+        last = h * cbytes if cfg.remat == "full" else (h + 2 * kv) * cbytes
     # The blocked path holds one block's scores, probabilities and their gradient at a time.
     block = micro * heads // t * min(spec.block, n) * n * 10 if impl == "chunked" else 0
     # The embeddings' output and the final norm's, beside the layers.
-    return tokens * (layers * kept + working + 2 * h * cbytes) + block
+    return int(tokens * (layers * kept + last + working + 2 * h * cbytes)) + block
 
 
 def _gathered(params, shards: list[int], sizes, pbytes: int, cfg: TrainConfig) -> int:
