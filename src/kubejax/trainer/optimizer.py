@@ -85,8 +85,9 @@ def make_optimizer(cfg: TrainConfig) -> optax.GradientTransformation:
 
 def host_learning_rates(cfg: TrainConfig, total_steps: int) -> np.ndarray:
     """The schedule, computed once on the host: each step gets its learning rate as an input
-    (see make_optimizer), and evaluating it during the loop would stall the host."""
-    schedule = jax.vmap(make_schedule(cfg, total_steps))
+    (see make_optimizer), and evaluating it during the loop would stall the host. One compiled
+    program: evaluated op by op, each of its ten operations compiled apart on the device."""
+    schedule = jax.jit(jax.vmap(make_schedule(cfg, total_steps)))
     return np.asarray(schedule(jnp.arange(total_steps + 1)), np.float32)
 
 
