@@ -602,6 +602,48 @@ def _evals(steps: int, every: int) -> int:
     return steps // every + (1 if steps % every else 0)
 
 
+def _trials_given(args: dict[str, Any], view: SweepView | None) -> int:
+    """The sweep's trials as the user gave them: of a grid, the points the memory plan lets
+    start (those it refuses start no job)."""
+    trials = int(args.get("max_trials") or 8)
+    if view is not None and view.cfg.algorithm == "grid":
+        from kubejax.tune.space import grid
+
+        cfg = view.cfg
+        points = [cfg.defaults, *(p for p in grid(cfg.space) if p != cfg.defaults)]
+        trials = view.runnable(points[:trials])
+    return trials
+
+
+def _trial_given(trial_hp: dict, steps: int, batch: int, length: int, rows: dict, peft: str):
+    """One trial's job (`kubejax.tune.budget.Job`) as the user's trial settings make it."""
+    from kubejax.tune import budget as b
+
+    trial_steps = int(trial_hp.get("max_steps") or steps)
+    n = min(rows["validation"], int(trial_hp.get("max_eval_examples") or 0) or 10**9)
+    return b.Job(trial_steps, batch, length,
+                 _evals(trial_steps, int(trial_hp.get("eval_every") or 0)), n,
+                 int(trial_hp.get("eval_batch_size") or 64), peft)  # fmt: skip
+
+
+def _sized_trial(trial_hp: dict, size) -> dict:
+    """The trials' settings of a sweep sized to its share of the budget (`size`)."""
+    return {
+        **trial_hp,
+        "max_steps": size.steps,
+        "eval_every": max(1, math.ceil(size.steps / 2)),
+        "max_eval_examples": size.eval_examples,
+        "log_every": max(1, size.steps // 4),
+    }
+
+
+def _layout(args: dict[str, Any]) -> str:
+    """The local final training's worker layout, for the budget's line."""
+    if int(args.get("replicas", 1)) == 1:
+        return "one process with every core (the faster layout here: LOCAL_LAYOUT)"
+    return f"{args.get('replicas', 1)} process(es)"
+
+
 @dataclass
 class LocalPlan:
     """A local LLM run's budget, stated before it starts, and the arguments it sized."""
@@ -623,9 +665,8 @@ def plan_llm_run(
     `settings["sweep_budget_share"]` of it: unless the user set them (`user`: the parameters
     given), the trials' count, steps and evaluation size (`view`: the sweep as its step will
     see it, `preflight`'s: a grid's points the memory plan refuses cost nothing). Without a
-    budget (`budget` None)
-    where the cost cannot be known before the run (a hub model or dataset); the lines say
-    why."""
+    budget (`budget` None) where the cost cannot be known before the run (a hub model or
+    dataset); the lines say why."""
     from kubejax.tune import budget as b
 
     shape = b.ModelShape.from_folder(str(args["base_model"]))
@@ -676,21 +717,10 @@ def plan_llm_run(
     parallel = int(args.get("parallelism") or 1)
     notes = {}
     if {"max_trials", "trial_hyperparameters"} & user:
-        trials = int(args.get("max_trials") or 8)
-        if view is not None and view.cfg.algorithm == "grid":
-            # A grid's points are known: those the memory plan refuses start no job.
-            from kubejax.tune.space import grid
-
-            cfg = view.cfg
-            points = [cfg.defaults, *(p for p in grid(cfg.space) if p != cfg.defaults)]
-            trials = view.runnable(points[:trials])
-        trial_steps = int(trial_hp.get("max_steps") or steps)
-        n = min(rows["validation"], int(trial_hp.get("max_eval_examples") or 0) or 10**9)
-        trial = b.Job(trial_steps, trial_batch, trial_length,
-                      _evals(trial_steps, int(trial_hp.get("eval_every") or 0)), n,
-                      int(trial_hp.get("eval_batch_size") or 64), peft)  # fmt: skip
+        trials = _trials_given(args, view)
+        trial = _trial_given(trial_hp, steps, trial_batch, trial_length, rows, peft)
         costs["sweep"] = b.sweep_seconds(machine, shape, trial, trials, parallel, warm)
-        notes["sweep"] = f"({trials} trials × {trial_steps} steps, as given)"
+        notes["sweep"] = f"({trials} trials × {trial.steps} steps, as given)"
     else:
         size = b.size_sweep(
             machine=machine, shape=shape, rest_seconds=rest, share=share,
@@ -701,17 +731,8 @@ def plan_llm_run(
         costs["sweep"] = size.seconds
         notes["sweep"] = f"({size.why})"
         args["max_trials"] = size.trials
-        args["trial_hyperparameters"] = {
-            **trial_hp,
-            "max_steps": size.steps,
-            "eval_every": max(1, math.ceil(size.steps / 2)),
-            "max_eval_examples": size.eval_examples,
-            "log_every": max(1, size.steps // 4),
-        }
-    layout = f"{args.get('replicas', 1)} process(es)"
-    if int(args.get("replicas", 1)) == 1:
-        layout = "one process with every core (the faster layout here: LOCAL_LAYOUT)"
-    notes["final training"] = f"({steps} steps of {batch} × {length} tokens, {layout})"
+        args["trial_hyperparameters"] = _sized_trial(trial_hp, size)
+    notes["final training"] = f"({steps} steps of {batch} × {length} tokens, {_layout(args)})"
     notes["evaluation"] = f"({rows['test']} test rows)"
     notes["prepare"] = f"({sum(rows.values())} rows: {rows})"
     budget = b.Budget({k: costs[k] for k in ("prepare", "sweep", "final training",

@@ -225,7 +225,9 @@ class Progress:
 
     def log_final(self, final: dict) -> None:
         """The final figures, and the run's curves (loss, accuracy, learning rate,
-        throughput) as MLflow figures."""
+        throughput) as MLflow figures: process 0's."""
+        if jax.process_index() != 0:
+            return
         self.tracker.log_summary({f"final_{k}": v for k, v in final.items()})
         if self.tracker.run_id is None:
             return

@@ -212,7 +212,7 @@ def start_message(
 
 def train_and_evaluate(cfg: TrainConfig) -> dict:
     """Train per `cfg`, resuming from the latest checkpoint in output_dir; return final metrics."""
-    t_begin = time.monotonic()
+    walls = Walls()
     cfg.validate()
     penv = distributed.initialize(timeout_s=cfg.coordinator_timeout)
     mesh, sizes = make_mesh(cfg)
@@ -221,10 +221,8 @@ def train_and_evaluate(cfg: TrainConfig) -> dict:
     data = load_data(cfg)
     total = data.total_steps
 
-    # Model and optimizer on the mesh (replicated, or in their shards); resumed from the
-    # latest checkpoint.
-    sharded = sharding.is_sharded(mesh)
-    placement = sharding.placement(mesh) if sharded else None
+    # Model and optimizer on the mesh (replicated or in shards), resumed from the last checkpoint.
+    placement = sharding.placement(mesh) if sharding.is_sharded(mesh) else None
     model, tokenizer_dir, fresh = build_model(cfg, data, sizes, placement)
     graphdef, params, frozen = split_trainable(cfg, model, mesh)
     host_lr = host_learning_rates(cfg, total)
@@ -236,23 +234,21 @@ def train_and_evaluate(cfg: TrainConfig) -> dict:
     tracker = start_tracker(cfg, data, resumed=start_step > 0)
     system_monitor = tracker.start_system_metrics("worker-0")  # None on processes 1+
     progress = Progress(cfg, out, tracker, total, host_lr, history, sampler)
-    choices = [data.buckets.describe(packing=data.packed is not None)] if data.buckets else []
-    choices += model_choices(cfg, model)
-    progress.say(start_message(cfg, data, start_step, fresh, choices))
+    progress.say(start_message(cfg, data, start_step, fresh, run_choices(cfg, data, model)))
     sparse = model.sparse_embedding if frozen is None else None  # LoRA: the table is frozen
     train_step = make_train_step(graphdef, tx, mesh, cfg.seed, sparse, shardings, frozen)
     eval_step = make_eval_step(graphdef, mesh, frozen)
 
     def save(step: int) -> None:
-        ckpt.save(
-            step,
-            {"params": params, "opt_state": opt_state},
-            {"step": step, "seed": cfg.seed, "history": history, "config": cfg.to_dict()},
-        )
+        meta = {"step": step, "seed": cfg.seed, "history": history, "config": cfg.to_dict()}
+        ckpt.save(step, {"params": params, "opt_state": opt_state}, meta)
+
+    def evaluate() -> dict:
+        return evaluate_split(eval_step, params, data.val, cfg, mesh, data.answers)
 
     batches = train_batches(cfg, data, start_step)
     t_start, status, step = time.monotonic(), "FAILED", start_step
-    phases = {"setup": t_start - t_begin}
+    walls.lap("setup")
     try:
         for step, local in batches:
             if step >= total:
@@ -261,33 +257,22 @@ def train_and_evaluate(cfg: TrainConfig) -> dict:
             params, opt_state, metrics = train_step(params, opt_state, batch, step, host_lr[step])
             progress.dispatched(step, metrics)
             if step == start_step:  # compiled by now (a jitted call compiles before it runs)
-                progress.cache = lookups_said()
-                if jax.devices()[0].platform != "cpu":
-                    args = (params, opt_state, batch, step, host_lr[step])
-                    progress.program(step_program(train_step, *args))
+                _first_said(progress, train_step, params, opt_state, batch, step, host_lr[step])
             done = step + 1
-            eval_due = cfg.eval_every and done % cfg.eval_every == 0 and done != total
-            save_due = cfg.checkpoint_every and done % cfg.checkpoint_every == 0
+            eval_due, save_due = _due(cfg, done, total)
             if eval_due or save_due:
                 progress.flush()
             if eval_due:
-                progress.evaluated(
-                    done, evaluate_split(eval_step, params, data.val, cfg, mesh, data.answers)
-                )
+                progress.evaluated(done, evaluate())
             if save_due:
                 save(done)
         progress.flush()
-
-        phases["training"] = time.monotonic() - t_start
+        walls.lap("training")
 
         # The end: a last evaluation, checkpoint and model (unless made already or not wanted).
         final_step = max(start_step, min(step + 1, total)) if total else 0
-        t = time.monotonic()
-        final_eval = progress.last_eval(final_step) or progress.evaluated(
-            final_step, evaluate_split(eval_step, params, data.val, cfg, mesh, data.answers)
-        )
-        phases["evaluation"] = time.monotonic() - t
-        t = time.monotonic()
+        final_eval = progress.last_eval(final_step) or progress.evaluated(final_step, evaluate())
+        walls.lap("evaluation")
         if cfg.save_final and ckpt.latest_step() != final_step:
             save(final_step)
         ckpt.wait()
@@ -295,15 +280,9 @@ def train_and_evaluate(cfg: TrainConfig) -> dict:
         final.update(state_sizes(params, opt_state, frozen))
         if cfg.save_final:
             export_model(cfg, graphdef, (params, frozen), data, tokenizer_dir, tracker)
-        phases["saving"] = time.monotonic() - t
-        final["phases_s"] = {k: round(v, 1) for k, v in phases.items()}
-        progress.say(
-            "wall: "
-            + ", ".join(f"{k} {v:.1f} s" for k, v in final["phases_s"].items())
-            + " (training includes the first step's compile)"
-        )
-        if jax.process_index() == 0:
-            progress.log_final(final)
+        walls.lap("saving")
+        final["phases_s"] = walls.said(progress)
+        progress.log_final(final)
         progress.completed(final_step, final, final_eval)
         status = "FINISHED"
         return final
@@ -313,6 +292,49 @@ def train_and_evaluate(cfg: TrainConfig) -> dict:
             system_monitor.finish()
         progress.undelivered(tracker.finish(status))
         ckpt.close()
+
+
+def run_choices(cfg: TrainConfig, data: TrainData, model) -> list[str]:
+    """What the run chose for itself, for its first line: its length buckets, the model's
+    attention, scanned layers and remat."""
+    choices = [data.buckets.describe(packing=data.packed is not None)] if data.buckets else []
+    return choices + model_choices(cfg, model)
+
+
+class Walls:
+    """Each phase's wall time, from the run's start, said at its end."""
+
+    def __init__(self):
+        self.t = time.monotonic()
+        self.phases: dict[str, float] = {}
+
+    def lap(self, phase: str) -> None:
+        now = time.monotonic()
+        self.phases[phase], self.t = now - self.t, now
+
+    def said(self, progress: Progress) -> dict[str, float]:
+        rounded = {k: round(v, 1) for k, v in self.phases.items()}
+        progress.say(
+            "wall: "
+            + ", ".join(f"{k} {v:.1f} s" for k, v in rounded.items())
+            + " (training includes the first step's compile)"
+        )
+        return rounded
+
+
+def _due(cfg: TrainConfig, done: int, total: int) -> tuple[bool, bool]:
+    """Whether an evaluation (not the last step's: the end evaluates) and a checkpoint are due
+    after `done` steps."""
+    eval_due = bool(cfg.eval_every) and done % cfg.eval_every == 0 and done != total
+    return eval_due, bool(cfg.checkpoint_every) and done % cfg.checkpoint_every == 0
+
+
+def _first_said(progress: Progress, train_step, *args) -> None:
+    """After the first step: the compilation cache's lookups and, on an accelerator, what the
+    compiled step needs (`step_program`)."""
+    progress.cache = lookups_said()
+    if jax.devices()[0].platform != "cpu":
+        progress.program(step_program(train_step, *args))
 
 
 def step_program(train_step, *args) -> dict:
