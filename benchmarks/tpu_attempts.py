@@ -103,7 +103,45 @@ def _scan_unroll(k: int):
     return patch
 
 
+#: Splash's block sizes (the fused backward kernel has no dq blocks).
+BLOCKS = ("block_q", "block_kv", "block_kv_compute", "block_q_dkv", "block_kv_dkv",
+          "block_kv_dkv_compute")  # fmt: skip
+
+
+def _splash_blocks(**over):
+    def patch(stack: contextlib.ExitStack) -> None:
+        """Splash's block sizes with `over` (the fused backward kernel: dq in the dk/dv
+        kernel, one pass over the scores instead of two)."""
+        from jax.experimental.pallas.ops.tpu.splash_attention import (
+            splash_attention_kernel as kernel,
+        )
+
+        from kubejax.models import attention
+
+        sizes = kernel.BlockSizes
+
+        def with_over(**kwargs):
+            kwargs.update(over)
+            if kwargs.get("use_fused_bwd_kernel"):
+                kwargs.pop("block_q_dq", None), kwargs.pop("block_kv_dq", None)
+            return sizes(**kwargs)
+
+        attention._splash_kernel.cache_clear()
+        stack.callback(attention._splash_kernel.cache_clear)
+        stack.enter_context(mock.patch.object(kernel, "BlockSizes", with_over))
+
+    return patch
+
+
 PATCHES = {
+    "fused-bwd": _splash_blocks(use_fused_bwd_kernel=True),
+    "kv1024": _splash_blocks(block_kv=1024, block_kv_dkv=1024),
+    "bq1024": _splash_blocks(block_q=1024, block_q_dkv=1024),
+    "bkv1024c": _splash_blocks(
+        block_kv=1024, block_kv_compute=1024, block_kv_dkv=1024, block_kv_dkv_compute=1024
+    ),
+    "b256": _splash_blocks(**dict.fromkeys(BLOCKS, 256)),
+    "kseq": _splash_blocks(k_layout=2),  # QKVLayout.SEQ_MINOR: keys [d, length]
     "unrolled": _unrolled,
     "save-all": _save_all,
     "nocond": _nocond,

@@ -184,3 +184,42 @@ def test_a_label_without_answer_text_is_refused(tiny_decoder_dir, minilm_dir):
 
     with pytest.raises(PromptError, match="label_names: the label ' ' gives an empty answer"):
         answer_ids(load_tokenizer(str(tiny_decoder_dir), 64), ["good", " "])
+
+
+def test_a_fresh_decoder_draws_its_matrices_at_once():
+    """A scratch decoder's matrices are N(0, 0.02²) cut from one draw per width: each its own
+    values (no two layers, nor two matrices, alike), the same for the same seed; the vectors
+    (norms' scales) as the modules make them."""
+    import jax
+    from flax import nnx
+
+    from kubejax.models import weights
+    from kubejax.trainer.config import TrainConfig
+    from kubejax.trainer.model_setup import INIT_STD, _fresh_model
+
+    config = {**TINY["gemma3_text"], "model_type": "gemma3_text"}
+    model_cfg = weights.scratch_config(json.dumps(config))
+
+    def fresh(seed):
+        cfg = TrainConfig(model="scratch", seed=seed, param_dtype="float32")
+        return nnx.to_flat_state(nnx.state(_fresh_model(cfg, model_cfg, 3, jax.numpy.float32)))
+
+    state, again, other = fresh(0), fresh(0), fresh(1)
+    matrices = {k: np.asarray(v[...]) for k, v in state if k[-1] in ("kernel", "embedding")}
+    assert {".".join(map(str, k[-2:])) for k in matrices} >= {
+        "embed_tokens.embedding", "q_proj.kernel", "down_proj.kernel", "score.kernel"
+    }  # fmt: skip
+    firsts = set()
+    for key, m in matrices.items():
+        assert abs(m.std() / INIT_STD - 1) < 0.2 and abs(m.mean()) < 3 * INIT_STD, key
+        rows = m.reshape(-1, m.shape[-1])
+        firsts.add(rows[0].tobytes())
+        if "layers" in map(str, key):  # each layer its own
+            assert not np.array_equal(m[0], m[1]), key
+    assert len(firsts) == len(matrices)
+    for (k, v), (_, w), (_, u) in zip(state, again, other, strict=True):
+        np.testing.assert_array_equal(v[...], w[...])
+        if k in matrices:
+            assert not np.array_equal(v[...], u[...]), k
+        else:  # norms' scales: ones (or zeros for Gemma's 1 + w), not drawn
+            assert np.all(np.asarray(v[...]) == np.asarray(v[...]).flat[0]), k

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import functools
 import json
+import logging
 import os
 import subprocess
 import sys
@@ -292,6 +294,41 @@ def test_without_save_final_a_run_keeps_no_final_checkpoint_and_no_model(
     assert "step program:" not in said
     assert sorted(p.name for p in (out / "checkpoints").iterdir()) == ["2"]  # not 3
     assert not (out / "model").exists()
+
+
+def test_evaluation_compiled_ahead_is_not_compiled_again(
+    tmp_path, monkeypatch, caplog, tiny_model_dir, sixteen_rows
+):
+    """On an accelerator the evaluation's program compiles in its own thread while the steps
+    run (here forced on a CPU): the evaluations then compile nothing, and the metrics are the
+    same as a run that compiles them when they come."""
+    import jax
+
+    from kubejax.trainer import train
+
+    def run(out: Path, ahead: bool) -> dict:
+        monkeypatch.setattr(train, "EvaluationAhead", functools.partial(ahead_class, on=ahead))
+        flags = {"max_steps": 4, "eval_every": 2, "save_final": False}
+        caplog.clear()
+        with caplog.at_level(logging.WARNING, logger="jax._src.dispatch"):
+            assert trainer_main(tiny_args(tiny_model_dir, sixteen_rows, out, **flags)) == 0
+        return json.loads((out / "metrics.json").read_text())
+
+    ahead_class = train.EvaluationAhead
+    jax.config.update("jax_log_compiles", True)
+    try:
+        ahead = run(tmp_path / "ahead", True)
+        threads = [
+            r.threadName for r in caplog.records
+            if "XLA compilation of jit(eval_step)" in r.getMessage()
+        ]  # fmt: skip
+        when_due = run(tmp_path / "when-due", False)
+    finally:
+        jax.config.update("jax_log_compiles", False)
+    # Compiled once (one batch shape), in the thread, whether or not the cache had it.
+    assert threads == ["evaluation-ahead"]
+    assert len(ahead["evals"]) == 2  # after step 2 and at the end
+    assert [e["eval_loss"] for e in ahead["evals"]] == [e["eval_loss"] for e in when_due["evals"]]
 
 
 _TWO_DEVICE_STEP = """

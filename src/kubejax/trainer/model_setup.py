@@ -188,10 +188,41 @@ def _fresh_model(cfg: TrainConfig, model_cfg, num_labels: int, dtype) -> nnx.Mod
     graphdef = nnx.graphdef(nnx.eval_shape(build))
 
     def weights_in_dtype():
-        state = nnx.state(build())
+        state = drawn_at_once(nnx.state(build()), cfg.seed)
         head = {k: v for k, v in state.items() if k == "score"}
         body = matrices_in(nnx.State({k: v for k, v in state.items() if k != "score"}),
                            cfg.param_dtype)  # fmt: skip
         return nnx.State({**body, **head})
 
     return nnx.merge(graphdef, jax.jit(weights_in_dtype)())
+
+
+#: The standard deviation of a fresh decoder's matrices (transformers' `initializer_range`).
+INIT_STD = 0.02
+
+
+def drawn_at_once(state, seed: int):
+    """`state` with every matrix (kernels, embedding tables: what the decoder draws from
+    N(0, 0.02²)) cut from a few normal draws by XLA's own generator (`rbg`), one per width of
+    matrix (their rows stacked, so that each is a slice of rows, as the TPU lays them out):
+    the module's own draws, one threefry program per matrix, are then dead code. Compiled
+    for a TPU v5e, the 270M decoder's weights program took 14.5 s that way and 2.0 s this way
+    (38.6 s on the TPU machine's own host: bench/NOTES.md, T7)."""
+    from kubejax.models.partitioning import is_matrix, path_name
+
+    leaves, treedef = jax.tree_util.tree_flatten_with_path(state)
+    values = [x for _, x in leaves]
+    by_width: dict[int, list[int]] = {}
+    for i, (path, x) in enumerate(leaves):
+        if is_matrix(path_name(path), x.ndim):
+            by_width.setdefault(x.shape[-1], []).append(i)
+    key = jax.random.key(seed, impl="rbg")
+    for n, (width, group) in enumerate(sorted(by_width.items())):
+        rows = [values[i].size // width for i in group]
+        drawn = jax.random.normal(jax.random.fold_in(key, n), (sum(rows), width), jnp.float32)
+        start = 0
+        for i, r in zip(group, rows, strict=True):
+            x = values[i]
+            values[i] = (drawn[start : start + r].reshape(x.shape) * INIT_STD).astype(x.dtype)
+            start += r
+    return jax.tree_util.tree_unflatten(treedef, values)

@@ -390,8 +390,12 @@ def _activations(
     if (cfg.task or "classification") == "classification":
         layers -= 1
         last = h * cbytes if cfg.remat == "full" else (h + 2 * kv) * cbytes
-    # The blocked path holds one block's scores, probabilities and their gradient at a time.
+    # The blocked path holds one block's scores, probabilities and their gradient at a time;
+    # splash's fused backward kernel a layer's queries' gradient per block of keys, summed
+    # after it.
     block = micro * heads // t * min(spec.block, n) * n * 10 if impl == "chunked" else 0
+    if impl == "splash":
+        block = tokens * -(-n // min(spec.block, n)) * q * cbytes
     # The embeddings' output and the final norm's, beside the layers.
     return int(tokens * (layers * kept + last + working + 2 * h * cbytes)) + block
 

@@ -22,6 +22,7 @@ from __future__ import annotations
 import logging
 import os
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -151,6 +152,15 @@ def evaluate_split(eval_step, params, split, cfg: TrainConfig, mesh, answers=Non
     every label's answer scored (`dataset.scoring_batches`)."""
     params = matrices_in(params, cfg.dtype)
     totals = {"loss": 0.0, "correct": 0.0, "count": 0.0}
+    for local in _eval_batches(split, cfg, answers):
+        sums, _ = eval_step(params, distributed.global_batch(local, mesh))
+        for k, v in jax.device_get(sums).items():
+            totals[k] += float(v)
+    n = max(totals["count"], 1.0)
+    return {"eval_loss": totals["loss"] / n, "eval_accuracy": totals["correct"] / n}
+
+
+def _eval_batches(split, cfg: TrainConfig, answers):
     for local in dataset.eval_batches(
         split,
         answers,
@@ -163,11 +173,53 @@ def evaluate_split(eval_step, params, split, cfg: TrainConfig, mesh, answers=Non
         limit=cfg.max_eval_examples,
     ):
         local.pop("rows")
-        sums, _ = eval_step(params, distributed.global_batch(local, mesh))
-        for k, v in jax.device_get(sums).items():
-            totals[k] += float(v)
-    n = max(totals["count"], 1.0)
-    return {"eval_loss": totals["loss"] / n, "eval_accuracy": totals["correct"] / n}
+        yield local
+
+
+class EvaluationAhead:
+    """The evaluation's programs (one per batch shape of the split) compiled in a thread while
+    the first train step compiles and the steps run, so that no evaluation stops the run to
+    compile: on a TPU v5e the 270M decoder's took 4.5 s of its epoch's wall (bench/NOTES.md,
+    T7). Only on an accelerator, whose host's cores are idle while it computes; on a CPU they
+    run the steps, and the evaluation compiles when it comes."""
+
+    def __init__(self, eval_step, params, split, cfg: TrainConfig, mesh, answers=None, on=None):
+        self.thread = None
+        if not (jax.devices()[0].platform != "cpu" if on is None else on) or not len(split):
+            return
+        shapes = jax.eval_shape(lambda p: matrices_in(p, cfg.dtype), params)
+        abstract = jax.tree.map(
+            lambda a, p: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=p.sharding),
+            shapes,
+            params,
+        )
+        fn = getattr(eval_step, "func", eval_step)
+        kwargs = getattr(eval_step, "keywords", {})
+
+        def compile_each_shape():
+            seen = set()
+            for local in _eval_batches(split, cfg, answers):
+                shape = tuple(sorted((k, v.shape) for k, v in local.items()))
+                if shape not in seen:
+                    seen.add(shape)
+                    batch = distributed.global_batch(local, mesh)
+                    fn.lower(abstract, batch, **kwargs).compile()
+
+        def run():
+            try:
+                compile_each_shape()
+            except Exception as err:  # the evaluation compiles (and says any error) itself
+                log.debug("evaluation compiled ahead: %s", err)
+
+        self.thread = threading.Thread(target=run, name="evaluation-ahead", daemon=True)
+        self.thread.start()
+
+    def wait(self) -> None:
+        """Until the programs are compiled (an evaluation that came first would compile its
+        own, the same, again)."""
+        if self.thread is not None:
+            self.thread.join()
+            self.thread = None
 
 
 def start_message(
@@ -244,8 +296,10 @@ def train_and_evaluate(cfg: TrainConfig) -> dict:
         ckpt.save(step, {"params": params, "opt_state": opt_state}, meta)
 
     def evaluate() -> dict:
+        ahead.wait()
         return evaluate_split(eval_step, params, data.val, cfg, mesh, data.answers)
 
+    ahead = EvaluationAhead(eval_step, params, data.val, cfg, mesh, data.answers)
     batches = train_batches(cfg, data, start_step)
     t_start, status, step = time.monotonic(), "FAILED", start_step
     walls.lap("setup")
