@@ -177,15 +177,15 @@ def _eval_batches(split, cfg: TrainConfig, answers):
 
 
 class EvaluationAhead:
-    """The evaluation's programs (one per batch shape of the split) compiled in a thread while
-    the first train step compiles and the steps run, so that no evaluation stops the run to
-    compile: on a TPU v5e the 270M decoder's took 4.5 s of its epoch's wall (bench/NOTES.md,
-    T7). Only on an accelerator, whose host's cores are idle while it computes; on a CPU they
-    run the steps, and the evaluation compiles when it comes."""
+    """The evaluation step, its programs (one per batch shape of the validation split) compiled in a
+    thread while the first train step compiles and the steps run, so that no evaluation stops
+    the run to compile: on a TPU v5e the 270M decoder's took 4.5 s of its epoch's wall
+    (bench/NOTES.md, T7). Only on an accelerator, whose host's cores are idle while it
+    computes; on a CPU they run the steps, and the evaluation compiles when it comes."""
 
-    def __init__(self, eval_step, params, split, cfg: TrainConfig, mesh, answers=None, on=None):
-        self.thread = None
-        if not (jax.devices()[0].platform != "cpu" if on is None else on) or not len(split):
+    def __init__(self, eval_step, params, data: TrainData, cfg: TrainConfig, mesh, on=None):
+        self.step, self.thread = eval_step, None
+        if not (jax.devices()[0].platform != "cpu" if on is None else on) or not len(data.val):
             return
         shapes = jax.eval_shape(lambda p: matrices_in(p, cfg.dtype), params)
         abstract = jax.tree.map(
@@ -198,7 +198,7 @@ class EvaluationAhead:
 
         def compile_each_shape():
             seen = set()
-            for local in _eval_batches(split, cfg, answers):
+            for local in _eval_batches(data.val, cfg, data.answers):
                 shape = tuple(sorted((k, v.shape) for k, v in local.items()))
                 if shape not in seen:
                     seen.add(shape)
@@ -214,12 +214,13 @@ class EvaluationAhead:
         self.thread = threading.Thread(target=run, name="evaluation-ahead", daemon=True)
         self.thread.start()
 
-    def wait(self) -> None:
-        """Until the programs are compiled (an evaluation that came first would compile its
+    def __call__(self, *args, **kwargs):
+        """The step, once its programs are compiled (a call that came first would compile its
         own, the same, again)."""
         if self.thread is not None:
             self.thread.join()
             self.thread = None
+        return self.step(*args, **kwargs)
 
 
 def start_message(
@@ -289,17 +290,15 @@ def train_and_evaluate(cfg: TrainConfig) -> dict:
     progress.say(start_message(cfg, data, start_step, fresh, run_choices(cfg, data, model)))
     sparse = model.sparse_embedding if frozen is None else None  # LoRA: the table is frozen
     train_step = make_train_step(graphdef, tx, mesh, cfg.seed, sparse, shardings, frozen)
-    eval_step = make_eval_step(graphdef, mesh, frozen)
+    eval_step = EvaluationAhead(make_eval_step(graphdef, mesh, frozen), params, data, cfg, mesh)
 
     def save(step: int) -> None:
         meta = {"step": step, "seed": cfg.seed, "history": history, "config": cfg.to_dict()}
         ckpt.save(step, {"params": params, "opt_state": opt_state}, meta)
 
     def evaluate() -> dict:
-        ahead.wait()
         return evaluate_split(eval_step, params, data.val, cfg, mesh, data.answers)
 
-    ahead = EvaluationAhead(eval_step, params, data.val, cfg, mesh, data.answers)
     batches = train_batches(cfg, data, start_step)
     t_start, status, step = time.monotonic(), "FAILED", start_step
     walls.lap("setup")
