@@ -374,7 +374,8 @@ def _sections(result: dict) -> list[str]:
             "kubejax's. Tunix trains a causal LM (its vocabulary head is work the 6·N / 4·N count "
             "leaves out: its MFU with the head is given too); kubejax runs the benchmark's "
             "classifier. Tunix's Llama 3 has no splash switch (scores materialised; remat "
-            "DECODER was the setting that fit).", "",
+            "DECODER was the setting that fit)." + (f" {result['tunix_note']}"
+            if result.get("tunix_note") else ""), "",
             "| shape | kubejax tokens/s (batch) | Tunix tokens/s (batch, remat, splash) | "
             "kubejax / Tunix | MFU kubejax | MFU Tunix (incl. its LM head) | first step "
             "kubejax / Tunix |",
@@ -392,7 +393,7 @@ def _sections(result: dict) -> list[str]:
         lines += ["", f"Command: `{result['tunix_command']}`."]
     if result.get("attempts"):
         lines += [
-            "", "## Attempts (bench/NOTES.md, T4-T6)", "",
+            "", "## Attempts (bench/NOTES.md, T4-T7)", "",
             "| attempt | tokens/s | MFU (197) | first step | step program | note |",
             "| --- | --- | --- | --- | --- | --- |",
         ]  # fmt: skip

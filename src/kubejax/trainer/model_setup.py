@@ -206,8 +206,9 @@ def drawn_at_once(state, seed: int):
     N(0, 0.02²)) cut from a few normal draws by XLA's own generator (`rbg`), one per width of
     matrix (their rows stacked, so that each is a slice of rows, as the TPU lays them out):
     the module's own draws, one threefry program per matrix, are then dead code. Compiled
-    for a TPU v5e, the 270M decoder's weights program took 14.5 s that way and 2.0 s this way
-    (38.6 s on the TPU machine's own host: bench/NOTES.md, T7)."""
+    for a TPU v5e on this project's CPU, the 270M decoder's weights program took 14.5 s that
+    way and 3.9 s this way (38.6 and 5.9 s on the TPU machine's own host: bench/NOTES.md,
+    T8)."""
     from kubejax.models.partitioning import is_matrix, path_name
 
     leaves, treedef = jax.tree_util.tree_flatten_with_path(state)

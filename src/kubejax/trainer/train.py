@@ -177,10 +177,10 @@ def _eval_batches(split, cfg: TrainConfig, answers):
 
 
 class EvaluationAhead:
-    """The evaluation step, its programs (one per batch shape of the validation split) compiled in a
-    thread while the first train step compiles and the steps run, so that no evaluation stops
-    the run to compile: on a TPU v5e the 270M decoder's took 4.5 s of its epoch's wall
-    (bench/NOTES.md, T7). Only on an accelerator, whose host's cores are idle while it
+    """The evaluation step, its programs (one per batch shape of the validation split)
+    compiled in a thread while the first train step compiles and the steps run, so that no
+    evaluation stops the run to compile: on a TPU v5e the 270M decoder's took 4.5 s of its
+    epoch's wall (bench/NOTES.md, T8). Only on an accelerator, whose host's cores are idle while it
     computes; on a CPU they run the steps, and the evaluation compiles when it comes."""
 
     def __init__(self, eval_step, params, data: TrainData, cfg: TrainConfig, mesh, on=None):
