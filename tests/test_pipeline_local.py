@@ -350,4 +350,10 @@ def test_the_llm_runs_budget_is_printed_before_it_and_holds(llm_run):
     assert "matmul measured now" in before and "(2 trials × 4 steps, as given)" in before
     budget = summary["budget_s"]
     assert budget["measured_total"] == summary["wall_s"]
-    assert 0.7 <= budget["predicted_total"] / summary["wall_s"] <= 1.3, budget
+    # The budget is for the machine's cores: alone (`pytest tests/test_pipeline_local.py`) the
+    # run's wall is within 30 % of it (0.95 measured). Under `make test`'s two test processes
+    # on two cores the other one takes up to a core throughout: the wall up to twice the
+    # budget (1.6 times measured once, 0.95 alone the same hour).
+    shared = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1")) >= (os.cpu_count() or 1)
+    low = 0.5 if shared else 0.7
+    assert low <= budget["predicted_total"] / summary["wall_s"] <= 1.3, budget
