@@ -189,3 +189,43 @@ def test_a_spent_budget_skips_the_case(tmp_path):
     (record,) = _lines(tmp_path / "out" / "tunix-cases.jsonl")
     assert record["error_kind"] == "skipped" and "budget" in record["error"]
     assert "not reached" not in record["error"]
+
+
+# ---------------------------------------------------------------------------------------------
+# The second peer, keras-hub (benchmarks/bench_tpu_keras.py): what runs without keras
+
+
+def _keras_peer():
+    sys.path.insert(0, str(SCRIPT.parent))
+    return _load("bench_tpu_keras", SCRIPT.parent / "bench_tpu_keras.py")
+
+
+def test_keras_hub_models_take_the_benchmark_shapes():
+    """The backbones' arguments are the shapes' (Llama 3.2's frequency scaling included), in
+    bfloat16; a shape whose heads are not hidden / heads wide is refused (keras-hub derives
+    the head size)."""
+    keras_peer = _keras_peer()
+    qwen = keras_peer.backbone_arguments(keras_peer.SHAPES["qwen2.5-0.5b"])
+    assert (qwen["num_layers"], qwen["hidden_dim"], qwen["num_query_heads"]) == (24, 896, 14)
+    assert (qwen["num_key_value_heads"], qwen["intermediate_dim"]) == (2, 4864)
+    assert qwen["vocabulary_size"] == 151936 and qwen["tie_word_embeddings"]
+    assert qwen["dtype"] == "bfloat16" and "rope_frequency_adjustment_factor" not in qwen
+    llama = keras_peer.backbone_arguments(keras_peer.SHAPES["llama-3.2-1b"])
+    assert (llama["num_layers"], llama["hidden_dim"], llama["intermediate_dim"]) == (16, 2048, 8192)
+    assert llama["rope_frequency_adjustment_factor"] == 32.0
+    assert llama["rope_pretraining_sequence_length"] == 8192
+    with pytest.raises(ValueError, match="hidden / heads"):
+        keras_peer.backbone_arguments(dict(keras_peer.SHAPES["qwen2.5-0.5b"], head_dim=128))
+
+
+def test_keras_hub_installs_from_the_carried_wheels_alone():
+    """keras-hub's metadata asks for tensorflow-text (TensorFlow: too large to carry), so its
+    wheels install unresolved, from the carried folder alone (no index), each pinned once."""
+    keras_peer = _keras_peer()
+    cmd = keras_peer.pip_install_command("/tmp/t", ".whl-tpu")
+    assert {"--no-deps", "--no-index", "--only-binary=:all:"} <= set(cmd)
+    names = [re.split("==", p)[0] for p in keras_peer.CARRIED]
+    assert len(names) == len(set(names)) and all("==" in p for p in keras_peer.CARRIED)
+    assert {"keras", "keras-hub", "kagglehub", "requests"} <= set(names)
+    assert not any(n.startswith("tensorflow") for n in names)
+    assert set(keras_peer.CARRIED) <= set(keras_peer.pip_download_command("w"))
