@@ -7,10 +7,11 @@ Everything is keras-hub's own, as its guides use it: `keras_hub.models.QwenBackb
 `Llama3Backbone` at the shape (random weights, bfloat16 dtype policy), the `*CausalLM` task on
 it without a preprocessor, LoRA by `backbone.enable_lora(16, [query, key, value,
 attention_output])` (keras-hub's q/k/v/o layer names; Keras's LoRA of a per-head projection
-keeps A per head, hidden × heads × 16, and trains the projections' biases), `CausalLM.compile` with AdamW (lr 1e-5,
-weight decay 0.01, global norm clipped at 1.0), sparse cross-entropy from logits and no metric,
-`jit_compile=True`, and Keras's `fit` over batches of `batch` × 2048 token ids (every token's next
-token the target). Remat: Keras's `RematScope` (None, then "full" after an out-of-memory).
+keeps A per head, hidden × heads × 16, and trains the projections' biases),
+`CausalLM.compile` with AdamW (lr 1e-5, weight decay 0.01, global norm clipped at 1.0),
+sparse cross-entropy from logits and no metric, `jit_compile=True`, and Keras's `fit` over
+batches of `batch` × 2048 token ids (every token's next token the target). Remat: Keras's
+`RematScope` (None, then "full" after an out-of-memory).
 
 Measured per case as `bench_tpu_peers.py` measures Tunix: the first step's wall (tracing and
 compilation included), the median step after `--warmup` more (each step's loss read back, so
