@@ -1,8 +1,8 @@
 """The TPU attempts of bench/NOTES.md: one benchmark case (`bench_tpu.cases`) run by the trainer
-under variants of the decoder that are not settings (the layers unrolled over the same stacked
-weights, every intermediate saved, the classifier's last layer inside the scan), or with
-settings over the case's, each measured as `bench_tpu.py` measures it; `profile` also traces
-three steps and writes the TPU's time per XLA operation, heaviest first.
+under variants of the decoder that are not settings (every intermediate saved, the classifier's
+last layer inside the scan, k layers a scan iteration, splash's block sizes), or with settings
+over the case's (`unrolled`: `scan_layers` false), each measured as `bench_tpu.py` measures it;
+`profile` also traces three steps and writes the TPU's time per XLA operation, heaviest first.
 
     python benchmarks/tpu_attempts.py --work .bench-tpu --out OUT \\
         qwen05b-full-256:base+profile qwen05b-full-256:unrolled qwen05b-full-2048:nocond
@@ -39,20 +39,8 @@ SETTINGS = {
     "chunked": {"attention": "chunked"},
     "remat-none": {"remat": "none"},
     "remat-full": {"remat": "full"},
+    "unrolled": {"scan_layers": False},  # the stacked layers run one by one
 }
-
-
-def _unrolled(stack: contextlib.ExitStack) -> None:
-    """The stacked layers run one by one (`DecoderModel.scan` False)."""
-    from kubejax.models import decoder
-
-    init = decoder.DecoderModel.__init__
-
-    def unrolled_init(self, *args, **kwargs):
-        init(self, *args, **kwargs)
-        self.scan = False
-
-    stack.enter_context(mock.patch.object(decoder.DecoderModel, "__init__", unrolled_init))
 
 
 def _save_all(stack: contextlib.ExitStack) -> None:
@@ -87,18 +75,19 @@ def _nocond(stack: contextlib.ExitStack) -> None:
     stack.enter_context(mock.patch.object(decoder.DecoderClassifier, "__call__", call))
 
 
-def _scan_unroll(k: int):
+def _decoder_attribute(name: str, value):
     def patch(stack: contextlib.ExitStack) -> None:
-        """`lax.scan(..., unroll=k)`: k layers a loop iteration."""
+        """Every `DecoderModel` made with `name` set to `value` (`scan_unroll` k: k layers a
+        loop iteration of the scan)."""
         from kubejax.models import decoder
 
         init = decoder.DecoderModel.__init__
 
-        def unroll_init(self, *args, **kwargs):
+        def patched_init(self, *args, **kwargs):
             init(self, *args, **kwargs)
-            self.scan_unroll = k
+            setattr(self, name, value)
 
-        stack.enter_context(mock.patch.object(decoder.DecoderModel, "__init__", unroll_init))
+        stack.enter_context(mock.patch.object(decoder.DecoderModel, "__init__", patched_init))
 
     return patch
 
@@ -110,8 +99,8 @@ BLOCKS = ("block_q", "block_kv", "block_kv_compute", "block_q_dkv", "block_kv_dk
 
 def _splash_blocks(**over):
     def patch(stack: contextlib.ExitStack) -> None:
-        """Splash's block sizes with `over` (the fused backward kernel: dq in the dk/dv
-        kernel, one pass over the scores instead of two)."""
+        """Splash's block sizes with `over` (`use_fused_bwd_kernel` False: the two backward
+        kernels, dq's blocks those of dk and dv)."""
         from jax.experimental.pallas.ops.tpu.splash_attention import (
             splash_attention_kernel as kernel,
         )
@@ -122,8 +111,8 @@ def _splash_blocks(**over):
 
         def with_over(**kwargs):
             kwargs.update(over)
-            if kwargs.get("use_fused_bwd_kernel"):
-                kwargs.pop("block_q_dq", None), kwargs.pop("block_kv_dq", None)
+            if not kwargs.get("use_fused_bwd_kernel", True):
+                kwargs.update(block_q_dq=kwargs["block_q_dkv"], block_kv_dq=kwargs["block_kv_dkv"])
             return sizes(**kwargs)
 
         attention._splash_kernel.cache_clear()
@@ -134,7 +123,7 @@ def _splash_blocks(**over):
 
 
 PATCHES = {
-    "fused-bwd": _splash_blocks(use_fused_bwd_kernel=True),
+    "two-bwd": _splash_blocks(use_fused_bwd_kernel=False),
     "kv1024": _splash_blocks(block_kv=1024, block_kv_dkv=1024),
     "bq1024": _splash_blocks(block_q=1024, block_q_dkv=1024),
     "bkv1024c": _splash_blocks(
@@ -142,12 +131,11 @@ PATCHES = {
     ),
     "b256": _splash_blocks(**dict.fromkeys(BLOCKS, 256)),
     "kseq": _splash_blocks(k_layout=2),  # QKVLayout.SEQ_MINOR: keys [d, length]
-    "unrolled": _unrolled,
     "save-all": _save_all,
     "nocond": _nocond,
-    "unroll2": _scan_unroll(2),
-    "unroll3": _scan_unroll(3),
-    "unroll4": _scan_unroll(4),
+    "unroll2": _decoder_attribute("scan_unroll", 2),
+    "unroll3": _decoder_attribute("scan_unroll", 3),
+    "unroll4": _decoder_attribute("scan_unroll", 4),
 }
 
 
