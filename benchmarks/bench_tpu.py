@@ -391,6 +391,8 @@ def _sections(result: dict) -> list[str]:
                 f"{c['tunix_first_step_s']:.1f} s |"
             )
         lines += ["", f"Command: `{result['tunix_command']}`."]
+    if result.get("keras") and result.get("comparison"):
+        lines += _keras_section(result)
     if result.get("attempts"):
         lines += [
             "", "## Attempts (bench/NOTES.md, T4-T7)", "",
@@ -408,6 +410,44 @@ def _sections(result: dict) -> list[str]:
             )
         lines += ["", f"Command: `{result['attempts_command']}`."]
     return lines
+
+
+def _keras_section(result: dict) -> list[str]:
+    """keras-hub's cases (`bench_tpu_keras.py`) beside kubejax's, matched through the Tunix
+    comparison's case names (the peers share them)."""
+    keras = result["keras"]
+    ours = {c["tunix"]: c for c in result["comparison"]}
+    lines = [
+        "", f"## Against keras-hub on the same chip ({keras['date'][:16].replace('T', ' ')} UTC)",
+        "", "keras-hub 0.32.0 on Keras 3.15.1's JAX backend: its `QwenBackbone` / "
+        "`Llama3Backbone` and `*CausalLM`, bfloat16 weights, `enable_lora(16)` on q/k/v/o, "
+        "AdamW, Keras's `fit`; a causal LM as Tunix (its MFU with the vocabulary head too). "
+        "Keras takes its TPU splash path only for a mask known at trace time; keras-hub's masks "
+        "come from the batch's padding mask, so every case ran XLA's attention (no splash "
+        "kernel made) and ran out of memory at batch 4 without remat; the figures are with "
+        "each decoder layer checkpointed (Keras's `RematScope` cannot wrap these layers), at "
+        "batch 4, the first setting that fit (Tunix's batch; the attempts stop there).", "",
+        "| shape | kubejax tokens/s (batch) | keras-hub tokens/s (batch, remat) | "
+        "kubejax / keras-hub | MFU kubejax | MFU keras-hub (incl. its LM head) | first step "
+        "kubejax / keras-hub | keras-hub's peak HBM |",
+        "| --- | --- | --- | --- | --- | --- | --- | --- |",
+    ]  # fmt: skip
+    for k in keras["cases"]:
+        c = ours.get(k["case"])
+        if c is None:
+            continue
+        if k["status"] != "ok":
+            lines.append(f"| {k['case']} | {c['kubejax_tokens_per_s']:,} | **failed** | | | | | |")
+            continue
+        lines.append(
+            f"| {k['case']} | {c['kubejax_tokens_per_s']:,} ({c['kubejax_batch']} × 2048) | "
+            f"{round(k['tokens_per_s']):,} ({k['batch']} × 2048, {k['attempt']['remat'] or 'none'})"
+            f" | **{c['kubejax_tokens_per_s'] / k['tokens_per_s']:.2f}×** | "
+            f"{c['kubejax_mfu']:.2f} | {k['mfu_197']:.2f} ({k['mfu_197_incl_lm_head']:.2f}) | "
+            f"{c['kubejax_first_step_s']:.1f} s / {k['first_step_s']:.1f} s | "
+            f"{k['device_peak_bytes'] / 2**30:.2f} GiB |"
+        )
+    return [*lines, "", f"Command: `{result['keras_command']}`."]
 
 
 def main() -> None:

@@ -10,8 +10,12 @@ attention_output])` (keras-hub's q/k/v/o layer names; Keras's LoRA of a per-head
 keeps A per head, hidden × heads × 16, and trains the projections' biases),
 `CausalLM.compile` with AdamW (lr 1e-5, weight decay 0.01, global norm clipped at 1.0),
 sparse cross-entropy from logits and no metric, `jit_compile=True`, and Keras's `fit` over
-batches of `batch` × 2048 token ids (every token's next token the target). Remat: Keras's
-`RematScope` (None, then "full" after an out-of-memory).
+batches of `batch` × 2048 token ids (every token's next token the target). Remat, after an
+out-of-memory only: each decoder layer checkpointed (`jax.checkpoint`, Keras's own remat), its
+`training` flag held out of the trace. Keras's `RematScope(mode="full")` cannot be used on these
+models in Keras 3.15.1: it wraps the layer's call in `jax.checkpoint` with every argument traced,
+`training=True` included, and the layers' `if training` then fails while the model builds (seen
+on the chip and on the CPU).
 
 Measured per case as `bench_tpu_peers.py` measures Tunix: the first step's wall (tracing and
 compilation included), the median step after `--warmup` more (each step's loss read back, so
@@ -72,8 +76,12 @@ CARRIED = (
 #: keras-hub's names of the attention's q, k, v and o projections (Qwen's and Llama's).
 LORA_LAYERS = ["query", "key", "value", "attention_output"]
 LORA_RANK = 16
-#: Keras's RematScope modes tried in order, the next only after running out of memory.
-ATTEMPTS = [dict(batch=4, remat=None), dict(batch=4, remat="full"), dict(batch=2, remat="full")]
+#: Tried in order, the next only after running out of memory; remat "layers": every decoder
+#: layer checkpointed (`checkpoint_decoder_layers`).
+ATTEMPTS = [
+    dict(batch=4, remat=None), dict(batch=4, remat="layers"), dict(batch=2, remat="layers"),
+    dict(batch=1, remat="layers"),
+]  # fmt: skip
 
 
 def pip_install_command(target: str, wheels: str) -> list[str]:
@@ -112,6 +120,25 @@ def backbone_arguments(shape: dict) -> dict:
     return args
 
 
+def checkpoint_decoder_layers(backbone) -> None:
+    """Every decoder layer of `backbone` recomputed in the backward pass: its call under
+    `jax.checkpoint` (what Keras's remat is on JAX) with `training` bound outside the trace."""
+    import functools
+
+    import jax
+
+    for layer in backbone.transformer_layers:
+
+        def checkpointed(*args, _call=layer.call, training=None, **kwargs):
+            def call(*a, **k):
+                return _call(*a, training=training, **k)
+
+            return jax.checkpoint(call)(*args, **kwargs)
+
+        # Keras calls `self.call`; the signature it inspected at construction stays.
+        layer.call = functools.wraps(layer.call)(checkpointed)
+
+
 def build(shape: dict, lora: bool, remat: str | None):
     """The causal LM of `shape` (random bfloat16 weights), LoRA on q/k/v/o where asked,
     compiled for training."""
@@ -119,9 +146,9 @@ def build(shape: dict, lora: bool, remat: str | None):
     import keras_hub
 
     family = {"qwen2": "Qwen", "llama3": "Llama3"}[shape["family"]]
-    scope = keras.RematScope(mode=remat) if remat else None
-    with scope if scope else _nothing():
-        backbone = getattr(keras_hub.models, f"{family}Backbone")(**backbone_arguments(shape))
+    backbone = getattr(keras_hub.models, f"{family}Backbone")(**backbone_arguments(shape))
+    if remat == "layers":
+        checkpoint_decoder_layers(backbone)
     model = getattr(keras_hub.models, f"{family}CausalLM")(backbone=backbone, preprocessor=None)
     if lora:
         backbone.enable_lora(LORA_RANK, target_layer_names=LORA_LAYERS)
@@ -129,14 +156,6 @@ def build(shape: dict, lora: bool, remat: str | None):
     loss = keras.losses.SparseCategoricalCrossentropy(from_logits=True)
     model.compile(optimizer=optimizer, loss=loss, weighted_metrics=[], jit_compile=True)
     return model
-
-
-class _nothing:
-    def __enter__(self):
-        return self
-
-    def __exit__(self, *exc):
-        return False
 
 
 def measure(case: str, shape: dict, seq: int, batch: int, remat, warmup: int, steps: int) -> dict:

@@ -40,6 +40,8 @@ SETTINGS = {
     "remat-none": {"remat": "none"},
     "remat-full": {"remat": "full"},
     "unrolled": {"scan_layers": False},  # the stacked layers run one by one
+    "accum2": {"grad_accum_steps": 2},  # the same batch in two micro-batches
+    "accum4": {"grad_accum_steps": 4},
 }
 
 
@@ -73,6 +75,38 @@ def _nocond(stack: contextlib.ExitStack) -> None:
         return logits[:, 0] if starts is None else logits
 
     stack.enter_context(mock.patch.object(decoder.DecoderClassifier, "__call__", call))
+
+
+def _lm_every_token(stack: contextlib.ExitStack) -> None:
+    """The peers' work (`bench_tpu_peers.py`, `bench_tpu_keras.py`): a causal LM's loss over
+    every token of the row, each token's next one the target, through the tied vocabulary head
+    (the embedding table) with the logits [rows, length, vocab] in float32, as Tunix and
+    keras-hub compute it; the classifier's head takes no part. The same decoder, attention,
+    remat and optimizer as the case's."""
+    import jax.numpy as jnp
+    import optax
+    from flax import nnx
+
+    from kubejax.models import decoder
+    from kubejax.models.kernels import product
+    from kubejax.trainer import steps
+
+    def loss_fn(graphdef, params, batch, key, deterministic, frozen=None, totals=None):
+        model = nnx.merge(graphdef, params) if frozen is None else nnx.merge(
+            graphdef, params, frozen)  # fmt: skip
+        ids = batch["input_ids"]
+        tokens = decoder.tokens_of(batch["attention_mask"], None)
+        hidden = model.model(ids, tokens, None, None)  # every token's
+        table = model.model.embed_tokens.embedding[...].astype(hidden.dtype)
+        logits = product(hidden[:, :-1], table.T).astype(jnp.float32)
+        ce = optax.softmax_cross_entropy_with_integer_labels(logits, ids[:, 1:])
+        w = (batch["attention_mask"][:, 1:] > 0).astype(jnp.float32)
+        # This micro-batch's share of the step's mean (`totals`: the step's reviews, a row each).
+        share = 1.0 if totals is None else ids.shape[0] / totals[1]
+        loss = (ce * w).sum() / jnp.maximum(w.sum(), 1.0) * share
+        return loss, (jnp.zeros((), jnp.float32), None)
+
+    stack.enter_context(mock.patch.object(steps, "loss_fn", loss_fn))
 
 
 def _decoder_attribute(name: str, value):
@@ -136,6 +170,7 @@ PATCHES = {
     "unroll2": _decoder_attribute("scan_unroll", 2),
     "unroll3": _decoder_attribute("scan_unroll", 3),
     "unroll4": _decoder_attribute("scan_unroll", 4),
+    "lm-every-token": _lm_every_token,
 }
 
 
@@ -264,6 +299,11 @@ def attempt(
             first_step_s=round(final.get("first_step_s") or 0.0, 1),
             step_program_gib=round((final.get("step_program_bytes") or 0) / 2**30, 2),
         )
+        if "lm-every-token" in variants:  # the peers' count: their vocabulary head besides
+            head = (4 if case.lora else 6) * case.model["vocab_size"] * case.model["hidden_size"]
+            row["mfu_incl_lm_head"] = round(
+                (flops + head * tokens) / 1e12 / bench_tpu.PEAK_TFLOPS, 3
+            )
     if "profile" in variants:
         (out / f"profile-{label}.txt").write_text(op_table(trace_dir, 2 if smoke else 3))
     jax.clear_caches()

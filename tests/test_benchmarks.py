@@ -234,5 +234,11 @@ def test_the_tpu_benchmark_counts_flops_and_writes_its_table():
     assert table == (ROOT / "bench" / "tpu-results.md").read_text()
     main_table = table.split("\n## ")[0]  # then the peer's comparison and the attempts
     assert main_table.count("\n| ") == len(result["cases"]) + 2  # the header, its rule, the rows
-    rows = len(result.get("comparison", [])) + len(result.get("attempts", []))
-    assert table.count("\n| ") - main_table.count("\n| ") == rows + 4 * (rows > 0)
+    sections = [
+        r for r in (result.get("comparison"), result.get("keras"), result.get("attempts")) if r
+    ]
+    rows = sum(len(r["cases"] if isinstance(r, dict) else r) for r in sections)
+    assert table.count("\n| ") - main_table.count("\n| ") == rows + 2 * len(sections)
+    if result.get("keras"):  # each keras-hub case beside kubejax's figure for the same shape
+        keras = table.split("## Against keras-hub")[1].split("\n## ")[0]
+        assert all(f"| {c['case']} | " in keras for c in result["keras"]["cases"])

@@ -3,7 +3,9 @@ tokenizer, training, the exported model, evaluation and the served model's predi
 
 from __future__ import annotations
 
+import functools
 import json
+import logging
 import re
 import shutil
 
@@ -223,3 +225,41 @@ def test_a_fresh_decoder_draws_its_matrices_at_once():
             assert not np.array_equal(v[...], u[...]), k
         else:  # norms' scales: ones (or zeros for Gemma's 1 + w), not drawn
             assert np.all(np.asarray(v[...]) == np.asarray(v[...]).flat[0]), k
+
+
+@pytest.mark.parametrize("peft", ["none", "lora", "scratch", "bert"])
+def test_the_train_step_compiled_ahead_is_the_run_s(
+    peft, tiny_decoder_dir, prepared_decoder, tiny_model_dir, prepared, tmp_path, monkeypatch,
+    caplog,
+):  # fmt: skip
+    """On an accelerator the train step's program compiles in a thread of its own from the
+    model's shapes while the checkpoint loads (forced here on a CPU): the run's first step then
+    finds that program in the persistent cache and compiles nothing: a decoder's full
+    fine-tuning and LoRA (its frozen base an input), a fresh decoder's, BERT's. A seed no
+    other test uses: its program (the seed is in it) cannot be in the cache from elsewhere."""
+    import jax
+
+    from kubejax.trainer import ahead, train
+
+    monkeypatch.setattr(train, "StepAhead", functools.partial(ahead.StepAhead, on=True))
+    seed = {"none": 7341, "lora": 7342, "scratch": 7343, "bert": 7344}[peft]
+    model, data = (tiny_model_dir, prepared) if peft == "bert" else (tiny_decoder_dir,
+                                                                      prepared_decoder)  # fmt: skip
+    more = {}
+    if peft == "scratch":  # a fresh decoder (its weights drawn on the device), with LoRA
+        config = (tiny_decoder_dir / "config.json").read_text()
+        more = {"scratch_config": config, "tokenizer": str(tiny_decoder_dir)}
+        model, peft = "scratch", "lora"
+    args = tiny_args(model, data, tmp_path / "out", max_steps=2, seed=seed,
+                     peft="none" if peft == "bert" else peft, save_final=False, **more)  # fmt: skip
+    jax.config.update("jax_log_compiles", True)
+    try:
+        with caplog.at_level(logging.WARNING, logger="jax._src"):
+            assert main(args) == 0
+    finally:
+        jax.config.update("jax_log_compiles", False)
+    said = [(r.threadName, r.getMessage()) for r in caplog.records]
+    compiled = [t for t, m in said if "Finished XLA compilation of jit(train_step)" in m]
+    hits = [t for t, m in said if "compilation cache hit for 'jit_train_step'" in m]
+    assert compiled[0] == "step-ahead", said
+    assert "MainThread" in hits, said

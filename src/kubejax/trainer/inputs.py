@@ -233,3 +233,21 @@ def train_batches(cfg: TrainConfig, data: TrainData, start_step: int):
         max_length=cfg.max_length,
         answers=data.answers,
     )
+
+
+def eval_batches(split, cfg: TrainConfig, answers):
+    """This process's share of each evaluation batch of `split` (`dataset.eval_batches`), for
+    the evaluation step."""
+    for local in dataset.eval_batches(
+        split,
+        answers,
+        batch_size=cfg.eval_batch_size,
+        process_index=jax.process_index(),
+        process_count=jax.process_count(),
+        local_devices=jax.local_device_count(),
+        bucket_multiple=cfg.bucket_multiple or dataset.DEFAULT_BUCKET_MULTIPLE,
+        max_length=cfg.max_length,
+        limit=cfg.max_eval_examples,
+    ):
+        local.pop("rows")
+        yield local

@@ -48,19 +48,9 @@ def classifier_for(
     `cfg.dtype` with `cfg.dropout`, its tokenizer folder and the parts initialised fresh."""
     from safetensors import SafetensorError
 
-    dtype = jnp.bfloat16 if cfg.dtype == "bfloat16" else jnp.float32
-    model_dir = None
-    try:
-        if cfg.model == "scratch":
-            model_cfg = weights.scratch_config(cfg.scratch_config)
-        else:
-            # The config first: the checks below run before any weight is fetched.
-            model_dir = weights.resolve_model_dir(cfg.model, weights=False)
-            model_cfg = weights.load_config(model_dir)
-    except (OSError, RuntimeError, ValueError, TypeError) as err:
-        if cfg.model == "scratch":
-            raise ConfigError(f"scratch_config: {err}") from err
-        raise ConfigError(f"model: {cfg.model}: {err}") from err
+    dtype = _dtype(cfg)
+    # The config first: the checks below run before any weight is fetched.
+    model_cfg, model_dir = model_config(cfg)
     try:
         weights.check_task(model_cfg, cfg.task or "classification")
         if mesh_sizes:
@@ -101,16 +91,63 @@ def classifier_for(
             family = "BERT" if model_cfg.model_type == "bert" else model_cfg.model_type
             unusable = f"model: {cfg.model} is not a usable {family} checkpoint"
             raise ConfigError(f"{unusable} ({str(err).removeprefix('model: ')})") from err
-    if weights.is_decoder(model_cfg):
+    _settle(cfg, model, spec if weights.is_decoder(model_cfg) else None)
+    tokenizer_dir = Path(cfg.tokenizer) if cfg.tokenizer else model_dir
+    if tokenizer_dir is not None and not tokenizer_dir.is_dir():
+        tokenizer_dir = weights.resolve_model_dir(str(tokenizer_dir), weights=False)
+    return model, tokenizer_dir, fresh
+
+
+def model_config(cfg: TrainConfig):
+    """The model's config (`weights.load_config`'s, or the scratch model's) and its folder (None
+    for a scratch model), read without fetching any weight."""
+    try:
+        if cfg.model == "scratch":
+            return weights.scratch_config(cfg.scratch_config), None
+        model_dir = weights.resolve_model_dir(cfg.model, weights=False)
+        return weights.load_config(model_dir), model_dir
+    except (OSError, RuntimeError, ValueError, TypeError) as err:
+        if cfg.model == "scratch":
+            raise ConfigError(f"scratch_config: {err}") from err
+        raise ConfigError(f"model: {cfg.model}: {err}") from err
+
+
+def abstract_model(cfg: TrainConfig, num_labels: int) -> nnx.Module:
+    """The model `classifier_for` makes, its weights as shapes: nothing read, drawn or placed
+    (`nnx.eval_shape`). What a program can be compiled for while the weights load
+    (`kubejax.trainer.ahead`). Its settings unchecked: `classifier_for` checks them."""
+    model_cfg, _ = model_config(cfg)
+    _apply_dropout(cfg, model_cfg)
+    dtype, decoder = _dtype(cfg), weights.is_decoder(model_cfg)
+    spec = plan.attention_of(cfg, model_cfg, jax.devices()[0].platform) if decoder else None
+
+    def make():
+        if not decoder:
+            model = BertClassifier(model_cfg, num_labels, dtype, rngs=nnx.Rngs(cfg.seed))
+        else:
+            from kubejax.models import decoder_weights
+
+            task = cfg.task or "classification"
+            model = decoder_weights.build(model_cfg, task, num_labels, dtype, cfg.seed)
+        _settle(cfg, model, spec)
+        return model
+
+    return nnx.eval_shape(make)
+
+
+def _dtype(cfg: TrainConfig):
+    return jnp.bfloat16 if cfg.dtype == "bfloat16" else jnp.float32
+
+
+def _settle(cfg: TrainConfig, model, spec) -> None:
+    """A decoder's attention (`spec`; None for BERT), scan and remat as set, and the adapters
+    where asked."""
+    if spec is not None:
         model.model.remat = cfg.remat
         model.model.attention = spec
         model.model.scan = cfg.scan_layers
     if cfg.peft != "none":
         _add_adapters(cfg, model)
-    tokenizer_dir = Path(cfg.tokenizer) if cfg.tokenizer else model_dir
-    if tokenizer_dir is not None and not tokenizer_dir.is_dir():
-        tokenizer_dir = weights.resolve_model_dir(str(tokenizer_dir), weights=False)
-    return model, tokenizer_dir, fresh
 
 
 def model_choices(cfg: TrainConfig, model) -> list[str]:
@@ -144,16 +181,37 @@ def split_trainable(cfg: TrainConfig, model, mesh):
     full fine-tuning, in `param_dtype`; under LoRA the adapters and a classifier's head train
     in float32 and the base stays frozen in `param_dtype`, placed on the mesh (in its shards on
     a named mesh, else replicated)."""
+    graphdef, params, frozen = split_model(cfg, model)
+    return graphdef, params, None if frozen is None else _place_frozen(frozen, mesh)
+
+
+def split_model(cfg: TrainConfig, model):
+    """`split_trainable`'s (graphdef, trains, frozen or None), nothing placed; of an abstract
+    model (`abstract_model`), shapes."""
     if cfg.peft == "none":
         graphdef, params = nnx.split(model)
-        return graphdef, matrices_in(params, cfg.param_dtype), None
+        return graphdef, _matrices_in(params, cfg.param_dtype), None
     graphdef, params, frozen = nnx.split(model, lora.TRAINABLE, ...)
-    return graphdef, params, _place_frozen(matrices_in(frozen, cfg.param_dtype), mesh)
+    return graphdef, params, _matrices_in(frozen, cfg.param_dtype)
+
+
+def _matrices_in(params, dtype):
+    if all(isinstance(x, jax.ShapeDtypeStruct) for x in jax.tree.leaves(params)):
+        return jax.eval_shape(lambda p: matrices_in(p, dtype), params)
+    return matrices_in(params, dtype)
+
+
+def frozen_shardings(frozen, mesh):
+    """Where `split_trainable` places the frozen parameters: in their shards on a named mesh,
+    else replicated."""
+    if sharding.is_sharded(mesh):
+        return sharding.param_shardings(frozen, mesh)
+    return jax.tree.map(lambda _: distributed.replicated(mesh), frozen)
 
 
 def _place_frozen(frozen, mesh):
     if sharding.is_sharded(mesh):
-        return jax.device_put(frozen, sharding.param_shardings(frozen, mesh))
+        return jax.device_put(frozen, frozen_shardings(frozen, mesh))
     return distributed.replicate(frozen, mesh)
 
 

@@ -118,9 +118,12 @@ def param_shardings(params, mesh: Mesh):
 
 
 def placement(mesh: Mesh):
-    """`name, shape → NamedSharding` for loading a parameter straight into its shards."""
+    """`name, shape → NamedSharding` for loading a parameter straight into its shards; None
+    where nothing is sharded (the parameters are replicated once loaded)."""
     from kubejax.models.partitioning import logical_axes
 
+    if not is_sharded(mesh):
+        return None
     return lambda name, shape: NamedSharding(
         mesh, spec_of(logical_axes(name, len(shape)), shape, mesh.shape)
     )

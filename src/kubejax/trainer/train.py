@@ -22,7 +22,6 @@ from __future__ import annotations
 import logging
 import os
 import sys
-import threading
 import time
 from pathlib import Path
 
@@ -30,19 +29,19 @@ import jax
 import jax.numpy as jnp
 
 from kubejax import monitoring
-from kubejax.data import dataset
 from kubejax.errors import KubejaxError
 from kubejax.models.kernels import matrices_in
 from kubejax.trainer import distributed, sharding
+from kubejax.trainer.ahead import EvaluationAhead, StepAhead
 from kubejax.trainer.checkpoint import Checkpointer
 from kubejax.trainer.compile_cache import lookups_said, use_user_dir
 from kubejax.trainer.config import ConfigError, TrainConfig
 from kubejax.trainer.export import export_model, state_sizes
-from kubejax.trainer.inputs import TrainData, load_data, train_batches
+from kubejax.trainer.inputs import TrainData, eval_batches, load_data, train_batches
 from kubejax.trainer.model_setup import build_model, model_choices, split_trainable
 from kubejax.trainer.optimizer import host_learning_rates, make_optimizer, with_settings
 from kubejax.trainer.progress import Progress, start_tracker
-from kubejax.trainer.steps import make_eval_step, make_train_step
+from kubejax.trainer.steps import make_eval_step
 
 log = logging.getLogger("kubejax.trainer")
 
@@ -152,75 +151,12 @@ def evaluate_split(eval_step, params, split, cfg: TrainConfig, mesh, answers=Non
     every label's answer scored (`dataset.scoring_batches`)."""
     params = matrices_in(params, cfg.dtype)
     totals = {"loss": 0.0, "correct": 0.0, "count": 0.0}
-    for local in _eval_batches(split, cfg, answers):
+    for local in eval_batches(split, cfg, answers):
         sums, _ = eval_step(params, distributed.global_batch(local, mesh))
         for k, v in jax.device_get(sums).items():
             totals[k] += float(v)
     n = max(totals["count"], 1.0)
     return {"eval_loss": totals["loss"] / n, "eval_accuracy": totals["correct"] / n}
-
-
-def _eval_batches(split, cfg: TrainConfig, answers):
-    for local in dataset.eval_batches(
-        split,
-        answers,
-        batch_size=cfg.eval_batch_size,
-        process_index=jax.process_index(),
-        process_count=jax.process_count(),
-        local_devices=jax.local_device_count(),
-        bucket_multiple=cfg.bucket_multiple or dataset.DEFAULT_BUCKET_MULTIPLE,
-        max_length=cfg.max_length,
-        limit=cfg.max_eval_examples,
-    ):
-        local.pop("rows")
-        yield local
-
-
-class EvaluationAhead:
-    """The evaluation step, its programs (one per batch shape of the validation split)
-    compiled in a thread while the first train step compiles and the steps run, so that no
-    evaluation stops the run to compile: on a TPU v5e the 270M decoder's took 4.5 s of its
-    epoch's wall (bench/NOTES.md, T8). Only on an accelerator, whose host's cores are idle while it
-    computes; on a CPU they run the steps, and the evaluation compiles when it comes."""
-
-    def __init__(self, eval_step, params, data: TrainData, cfg: TrainConfig, mesh, on=None):
-        self.step, self.thread = eval_step, None
-        if not (jax.devices()[0].platform != "cpu" if on is None else on) or not len(data.val):
-            return
-        shapes = jax.eval_shape(lambda p: matrices_in(p, cfg.dtype), params)
-        abstract = jax.tree.map(
-            lambda a, p: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=p.sharding),
-            shapes,
-            params,
-        )
-        fn = getattr(eval_step, "func", eval_step)
-        kwargs = getattr(eval_step, "keywords", {})
-
-        def compile_each_shape():
-            seen = set()
-            for local in _eval_batches(data.val, cfg, data.answers):
-                shape = tuple(sorted((k, v.shape) for k, v in local.items()))
-                if shape not in seen:
-                    seen.add(shape)
-                    batch = distributed.global_batch(local, mesh)
-                    fn.lower(abstract, batch, **kwargs).compile()
-
-        def run():
-            try:
-                compile_each_shape()
-            except Exception as err:  # the evaluation compiles (and says any error) itself
-                log.debug("evaluation compiled ahead: %s", err)
-
-        self.thread = threading.Thread(target=run, name="evaluation-ahead", daemon=True)
-        self.thread.start()
-
-    def __call__(self, *args, **kwargs):
-        """The step, once its programs are compiled (a call that came first would compile its
-        own, the same, again)."""
-        if self.thread is not None:
-            self.thread.join()
-            self.thread = None
-        return self.step(*args, **kwargs)
 
 
 def start_message(
@@ -275,8 +211,8 @@ def train_and_evaluate(cfg: TrainConfig) -> dict:
     total = data.total_steps
 
     # Model and optimizer on the mesh (replicated or in shards), resumed from the last checkpoint.
-    placement = sharding.placement(mesh) if sharding.is_sharded(mesh) else None
-    model, tokenizer_dir, fresh = build_model(cfg, data, sizes, placement)
+    ahead = StepAhead(cfg, data, mesh)  # the step's program compiled meanwhile
+    model, tokenizer_dir, fresh = build_model(cfg, data, sizes, sharding.placement(mesh))
     graphdef, params, frozen = split_trainable(cfg, model, mesh)
     host_lr = host_learning_rates(cfg, total)
     tx = make_optimizer(cfg)
@@ -289,7 +225,7 @@ def train_and_evaluate(cfg: TrainConfig) -> dict:
     progress = Progress(cfg, out, tracker, total, host_lr, history, sampler)
     progress.say(start_message(cfg, data, start_step, fresh, run_choices(cfg, data, model)))
     sparse = model.sparse_embedding if frozen is None else None  # LoRA: the table is frozen
-    train_step = make_train_step(graphdef, tx, mesh, cfg.seed, sparse, shardings, frozen)
+    train_step = ahead.train_step(graphdef, tx, mesh, cfg.seed, sparse, shardings, frozen)
     eval_step = EvaluationAhead(make_eval_step(graphdef, mesh, frozen), params, data, cfg, mesh)
 
     def save(step: int) -> None:

@@ -1,0 +1,171 @@
+"""Programs compiled ahead, in threads, on an accelerator: the train step while the weights load
+or are drawn, the evaluation while the steps run. A TPU's host cores are idle while the chip
+computes, and a program compiles there in seconds (the 270M decoder's train step in 11.6 s, its
+evaluation in 4.1 s: bench/NOTES.md, T8), which a run otherwise waits for. On a CPU those cores
+run the setup and the steps, and everything compiles when it comes.
+
+The train step ahead goes through JAX's persistent compilation cache (`compile_cache`): it is
+compiled from the model's shapes by a step made apart from the run's, whose first call then
+finds the program in the cache; one process only (JAX writes that cache from process 0 alone).
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from kubejax.models.kernels import matrices_in
+from kubejax.trainer import distributed, sharding
+from kubejax.trainer.config import TrainConfig
+from kubejax.trainer.inputs import TrainData, eval_batches, train_batches
+from kubejax.trainer.model_setup import abstract_model, frozen_shardings, split_model
+from kubejax.trainer.optimizer import make_optimizer
+from kubejax.trainer.steps import make_train_step
+
+log = logging.getLogger("kubejax.trainer")
+
+
+def _accelerator() -> bool:
+    return jax.devices()[0].platform != "cpu"
+
+
+class StepAhead:
+    """The train step's program for the run's first batch, compiled in a thread from the
+    model's shapes (`model_setup.abstract_model`) while the main thread reads or draws the
+    weights, places them and starts the tracking: on a TPU v5e the 270M decoder's epoch waited
+    ~12 s for it after a setup of ~16 s. The run's step (`train_step`) waits for it at its
+    first call and reads the program from the persistent cache. A step whose program differs
+    (a resumed run's first batch in another bucket) compiles its own, as without. `on`: force
+    or stop it (tests)."""
+
+    def __init__(self, cfg: TrainConfig, data: TrainData, mesh, on=None):
+        self.thread = None
+        if not (_accelerator() if on is None else on):
+            return
+        if jax.process_count() > 1 or not jax.config.jax_compilation_cache_dir:
+            return
+        args = (cfg, data, mesh)
+        self.thread = threading.Thread(target=self._run, args=args, name="step-ahead", daemon=True)
+        self.thread.start()
+
+    @staticmethod
+    def _run(cfg: TrainConfig, data: TrainData, mesh) -> None:
+        try:
+            step, args, kwargs = step_of_shapes(cfg, data, mesh)
+            getattr(step, "func", step).lower(*args, **kwargs).compile()
+        except Exception as err:  # the run's own step compiles (and says any error) itself
+            log.debug("train step compiled ahead: %s", err)
+
+    def train_step(self, *args, **kwargs):
+        """The run's train step (`make_train_step`'s), which waits for the program at its first
+        call (a call that came first would compile its own, the same, again)."""
+        return _AfterThread(make_train_step(*args, **kwargs), self.thread)
+
+
+class _AfterThread:
+    """A step that joins `thread` before its first call; its `func`, `keywords` and `lower`
+    are the step's."""
+
+    def __init__(self, step, thread):
+        self.step, self.thread = step, thread
+
+    def __call__(self, *args, **kwargs):
+        if self.thread is not None:
+            self.thread.join()
+            self.thread = None
+        return self.step(*args, **kwargs)
+
+    def __getattr__(self, name: str):
+        return getattr(self.step, name)
+
+
+def step_of_shapes(cfg: TrainConfig, data: TrainData, mesh):
+    """A train step as the run makes it, for the model's shapes placed as the run places them,
+    and its first call's arguments: (step, args, kwargs)."""
+    tx = make_optimizer(cfg)
+    model = abstract_model(cfg, data.num_labels)
+    graphdef, params, frozen = split_model(cfg, model)
+    params, opt_state, shardings = _state_of_shapes(params, tx, mesh)
+    if frozen is not None:
+        frozen = _placed(frozen, frozen_shardings(frozen, mesh))
+    sparse = model.sparse_embedding if frozen is None else None
+    step = make_train_step(graphdef, tx, mesh, cfg.seed, sparse, shardings, frozen)
+    _, local = next(iter(train_batches(cfg, data, 0)))
+    batch = distributed.global_batch(local, mesh, leading=1)
+    # The run passes the step's number (an int) and its learning rate (a float32 from
+    # `host_learning_rates`).
+    return step, (params, opt_state, batch, 0, np.float32(0.0)), getattr(step, "keywords", {})
+
+
+def _state_of_shapes(params, tx, mesh):
+    """`train.place_state`'s parameters, optimizer state and shardings, as shapes."""
+
+    def init(params):
+        return tx.init(matrices_in(params, jnp.float32))
+
+    opt_state = jax.eval_shape(init, params)
+    if not sharding.is_sharded(mesh):
+        rep = distributed.replicated(mesh)
+        return _placed(params, rep), _placed(opt_state, rep), None
+    params_sh = sharding.param_shardings(params, mesh)
+    opt_sh = sharding.state_shardings(tx, opt_state, params_sh, mesh)
+    return _placed(params, params_sh), _placed(opt_state, opt_sh), (params_sh, opt_sh)
+
+
+def _placed(tree, shardings):
+    """Shapes with their shardings (one for all, or a tree like `tree`)."""
+    if not isinstance(shardings, jax.sharding.Sharding):
+        return jax.tree.map(
+            lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s), tree, shardings
+        )
+    return jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=shardings), tree)
+
+
+class EvaluationAhead:
+    """The evaluation step, its programs (one per batch shape of the validation split)
+    compiled in a thread while the first train step compiles and the steps run, so that no
+    evaluation stops the run to compile: on a TPU v5e the 270M decoder's took 4.5 s of its
+    epoch's wall (bench/NOTES.md, T8). Only on an accelerator (`on`: force or stop it)."""
+
+    def __init__(self, eval_step, params, data: TrainData, cfg: TrainConfig, mesh, on=None):
+        self.step, self.thread = eval_step, None
+        if not (_accelerator() if on is None else on) or not len(data.val):
+            return
+        shapes = jax.eval_shape(lambda p: matrices_in(p, cfg.dtype), params)
+        abstract = jax.tree.map(
+            lambda a, p: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=p.sharding),
+            shapes,
+            params,
+        )
+        fn = getattr(eval_step, "func", eval_step)
+        kwargs = getattr(eval_step, "keywords", {})
+
+        def compile_each_shape():
+            seen = set()
+            for local in eval_batches(data.val, cfg, data.answers):
+                shape = tuple(sorted((k, v.shape) for k, v in local.items()))
+                if shape not in seen:
+                    seen.add(shape)
+                    batch = distributed.global_batch(local, mesh)
+                    fn.lower(abstract, batch, **kwargs).compile()
+
+        def run():
+            try:
+                compile_each_shape()
+            except Exception as err:  # the evaluation compiles (and says any error) itself
+                log.debug("evaluation compiled ahead: %s", err)
+
+        self.thread = threading.Thread(target=run, name="evaluation-ahead", daemon=True)
+        self.thread.start()
+
+    def __call__(self, *args, **kwargs):
+        """The step, once its programs are compiled (a call that came first would compile its
+        own, the same, again)."""
+        if self.thread is not None:
+            self.thread.join()
+            self.thread = None
+        return self.step(*args, **kwargs)
