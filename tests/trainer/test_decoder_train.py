@@ -233,10 +233,10 @@ def test_the_train_step_compiled_ahead_is_the_run_s(
     caplog,
 ):  # fmt: skip
     """On an accelerator the train step's program compiles in a thread of its own from the
-    model's shapes while the checkpoint loads (forced here on a CPU): the run's first step then
-    finds that program in the persistent cache and compiles nothing: a decoder's full
-    fine-tuning and LoRA (its frozen base an input), a fresh decoder's, BERT's. A seed no
-    other test uses: its program (the seed is in it) cannot be in the cache from elsewhere."""
+    model's shapes while the checkpoint loads (forced here on a CPU): the run takes that step
+    and compiles nothing: a decoder's full fine-tuning and LoRA (its frozen base an input), a
+    fresh decoder's, BERT's. A seed no other test uses: its program (the seed is in it) is
+    compiled, not read from the suite's persistent cache."""
     import jax
 
     from kubejax.trainer import ahead, train
@@ -260,6 +260,4 @@ def test_the_train_step_compiled_ahead_is_the_run_s(
         jax.config.update("jax_log_compiles", False)
     said = [(r.threadName, r.getMessage()) for r in caplog.records]
     compiled = [t for t, m in said if "Finished XLA compilation of jit(train_step)" in m]
-    hits = [t for t, m in said if "compilation cache hit for 'jit_train_step'" in m]
-    assert compiled[0] == "step-ahead", said
-    assert "MainThread" in hits, said
+    assert compiled == ["step-ahead"], said  # not even read from the cache by the run

@@ -138,13 +138,23 @@ def _norm(cfg: BertConfig, dtype, rngs: nnx.Rngs) -> nnx.LayerNorm:
     )
 
 
+def _gelu(x):
+    # The exact GELU through erf, as torch computes it: jax.nn.gelu's erfc form costs an exp
+    # and several selects more per element on CPU.
+    return 0.5 * x * (1.0 + jax.lax.erf(x * (1.0 / math.sqrt(2.0))))
+
+
+def _gelu_tanh(x):
+    return jax.nn.gelu(x, approximate=True)
+
+
 def _activation(name: str):
+    # Functions of the module, not lambdas made per layer: two models of one config then have
+    # equal graphs (the trainer takes a step compiled ahead for an equal one: `trainer.ahead`).
     if name == "gelu":
-        # The exact GELU through erf, as torch computes it: jax.nn.gelu's erfc form costs an
-        # exp and several selects more per element on CPU.
-        return lambda x: 0.5 * x * (1.0 + jax.lax.erf(x * (1.0 / math.sqrt(2.0))))
+        return _gelu
     if name in ("gelu_new", "gelu_pytorch_tanh"):
-        return lambda x: jax.nn.gelu(x, approximate=True)
+        return _gelu_tanh
     if name == "relu":
         return jax.nn.relu
     raise ValueError(f"hidden_act: {name!r} is not supported ({', '.join(ACTIVATIONS)})")

@@ -4,15 +4,16 @@ computes, and a program compiles there in seconds (the 270M decoder's train step
 evaluation in 4.1 s: bench/NOTES.md, T8), which a run otherwise waits for. On a CPU those cores
 run the setup and the steps, and everything compiles when it comes.
 
-The train step ahead goes through JAX's persistent compilation cache (`compile_cache`): it is
-compiled from the model's shapes by a step made apart from the run's, whose first call then
-finds the program in the cache; one process only (JAX writes that cache from process 0 alone).
+The train step ahead is compiled from the model's shapes, and the run takes that step where the
+model it builds has the same structure: its first call then finds the program in memory. One
+process only (a job's processes compile their programs together).
 """
 
 from __future__ import annotations
 
 import logging
 import threading
+from functools import partial
 
 import jax
 import jax.numpy as jnp
@@ -37,55 +38,52 @@ class StepAhead:
     """The train step's program for the run's first batch, compiled in a thread from the
     model's shapes (`model_setup.abstract_model`) while the main thread reads or draws the
     weights, places them and starts the tracking: on a TPU v5e the 270M decoder's epoch waited
-    ~12 s for it after a setup of ~16 s. The run's step (`train_step`) waits for it at its
-    first call and reads the program from the persistent cache. A step whose program differs
-    (a resumed run's first batch in another bucket) compiles its own, as without. `on`: force
-    or stop it (tests)."""
+    ~12 s for it after a setup of ~16 s. The run takes that step (`train_step`) where it was
+    made for the same model, its program then in memory; a step made otherwise (another
+    structure, a resumed run's first batch in another bucket) compiles its own, or reads it
+    from the persistent cache. `on`: force or stop it (tests)."""
 
     def __init__(self, cfg: TrainConfig, data: TrainData, mesh, on=None):
-        self.thread = None
-        if not (_accelerator() if on is None else on):
-            return
-        if jax.process_count() > 1 or not jax.config.jax_compilation_cache_dir:
+        self.thread, self.made = None, None
+        if not (_accelerator() if on is None else on) or jax.process_count() > 1:
             return
         args = (cfg, data, mesh)
         self.thread = threading.Thread(target=self._run, args=args, name="step-ahead", daemon=True)
         self.thread.start()
 
-    @staticmethod
-    def _run(cfg: TrainConfig, data: TrainData, mesh) -> None:
+    def _run(self, cfg: TrainConfig, data: TrainData, mesh) -> None:
         try:
-            step, args, kwargs = step_of_shapes(cfg, data, mesh)
-            getattr(step, "func", step).lower(*args, **kwargs).compile()
+            step, args, kwargs, made_for = step_of_shapes(cfg, data, mesh)
+            jitted = getattr(step, "func", step)
+            jitted.lower(*args, **kwargs).compile()
+            self.made = jitted, made_for
         except Exception as err:  # the run's own step compiles (and says any error) itself
             log.debug("train step compiled ahead: %s", err)
 
-    def train_step(self, *args, **kwargs):
-        """The run's train step (`make_train_step`'s), which waits for the program at its first
-        call (a call that came first would compile its own, the same, again)."""
-        return _AfterThread(make_train_step(*args, **kwargs), self.thread)
-
-
-class _AfterThread:
-    """A step that joins `thread` before its first call; its `func`, `keywords` and `lower`
-    are the step's."""
-
-    def __init__(self, step, thread):
-        self.step, self.thread = step, thread
-
-    def __call__(self, *args, **kwargs):
+    def train_step(self, graphdef, tx, mesh, seed: int, sparse=None, shardings=None, frozen=None):
+        """The run's train step (as `make_train_step` makes it): the one compiled ahead, once
+        its thread is done, where it was made for the same model, placement and seed."""
         if self.thread is not None:
             self.thread.join()
             self.thread = None
-        return self.step(*args, **kwargs)
+        if self.made is not None and self.made[1] == _made_for(
+            graphdef, mesh, seed, sparse, shardings, frozen
+        ):
+            jitted = self.made[0]
+            return jitted if frozen is None else partial(jitted, frozen=frozen)
+        return make_train_step(graphdef, tx, mesh, seed, sparse, shardings, frozen)
 
-    def __getattr__(self, name: str):
-        return getattr(self.step, name)
+
+def _made_for(graphdef, mesh, seed, sparse, shardings, frozen) -> tuple:
+    """What a train step is made for, as far as its program goes (`StepAhead.train_step`)."""
+    placed = None if shardings is None else (jax.tree.structure(shardings),
+                                             jax.tree.leaves(shardings))  # fmt: skip
+    return graphdef, mesh, seed, sparse, placed, frozen is None
 
 
 def step_of_shapes(cfg: TrainConfig, data: TrainData, mesh):
     """A train step as the run makes it, for the model's shapes placed as the run places them,
-    and its first call's arguments: (step, args, kwargs)."""
+    its first call's arguments and what it was made for: (step, args, kwargs, made for)."""
     tx = make_optimizer(cfg)
     model = abstract_model(cfg, data.num_labels)
     graphdef, params, frozen = split_model(cfg, model)
@@ -98,7 +96,9 @@ def step_of_shapes(cfg: TrainConfig, data: TrainData, mesh):
     batch = distributed.global_batch(local, mesh, leading=1)
     # The run passes the step's number (an int) and its learning rate (a float32 from
     # `host_learning_rates`).
-    return step, (params, opt_state, batch, 0, np.float32(0.0)), getattr(step, "keywords", {})
+    args = (params, opt_state, batch, 0, np.float32(0.0))
+    made_for = _made_for(graphdef, mesh, cfg.seed, sparse, shardings, frozen)
+    return step, args, getattr(step, "keywords", {}), made_for
 
 
 def _state_of_shapes(params, tx, mesh):
