@@ -374,18 +374,22 @@ def _sections(result: dict) -> list[str]:
             "kubejax's. Tunix trains a causal LM (its vocabulary head is work the 6·N / 4·N count "
             "leaves out: its MFU with the head is given too); kubejax runs the benchmark's "
             "classifier. Tunix's Llama 3 has no splash switch (scores materialised; remat "
-            "DECODER was the setting that fit)." + (f" {result['tunix_note']}"
+            "DECODER was the setting that fit). The same work: kubejax's decoder trained as a "
+            "causal LM on every token through the tied vocabulary head, logits in float32 as "
+            "Tunix's (`tpu_attempts.py` variant `lm-every-token`, bench/NOTES.md T11; in micro-"
+            "batches of 2-4 rows where 4 or 8 did not fit)." + (f" {result['tunix_note']}"
             if result.get("tunix_note") else ""), "",
             "| shape | kubejax tokens/s (batch) | Tunix tokens/s (batch, remat, splash) | "
-            "kubejax / Tunix | MFU kubejax | MFU Tunix (incl. its LM head) | first step "
-            "kubejax / Tunix |",
-            "| --- | --- | --- | --- | --- | --- | --- |",
+            "kubejax / Tunix | the same work: kubejax's LM on every token / Tunix | MFU kubejax "
+            "| MFU Tunix (incl. its LM head) | first step kubejax / Tunix |",
+            "| --- | --- | --- | --- | --- | --- | --- | --- |",
         ]  # fmt: skip
         for c in result["comparison"]:
+            same = _same_work(c, c["tunix_tokens_per_s"])
             lines.append(
                 f"| {c['tunix']} | {c['kubejax_tokens_per_s']:,} ({c['kubejax_batch']} × 2048) | "
                 f"{c['tunix_tokens_per_s']:,} ({c['tunix_batch']} × 2048, {c['tunix_remat']}, "
-                f"{'on' if c['tunix_splash'] else 'off'}) | **{c['ratio']:.2f}×** | "
+                f"{'on' if c['tunix_splash'] else 'off'}) | **{c['ratio']:.2f}×** | {same} | "
                 f"{c['kubejax_mfu']:.2f} | {c['tunix_mfu']:.2f} "
                 f"({c['tunix_mfu_incl_lm_head']:.2f}) | {c['kubejax_first_step_s']:.1f} s / "
                 f"{c['tunix_first_step_s']:.1f} s |"
@@ -395,7 +399,7 @@ def _sections(result: dict) -> list[str]:
         lines += _keras_section(result)
     if result.get("attempts"):
         lines += [
-            "", "## Attempts (bench/NOTES.md, T4-T7)", "",
+            "", "## Attempts (bench/NOTES.md, T4-T11)", "",
             "| attempt | tokens/s | MFU (197) | first step | step program | note |",
             "| --- | --- | --- | --- | --- | --- |",
         ]  # fmt: skip
@@ -410,6 +414,14 @@ def _sections(result: dict) -> list[str]:
             )
         lines += ["", f"Command: `{result['attempts_command']}`."]
     return lines
+
+
+def _same_work(ours: dict, peer_tokens_per_s: float) -> str:
+    """kubejax's tokens/s as a causal LM on every token (the peers' work) against a peer's."""
+    if "kubejax_lm_tokens_per_s" not in ours:
+        return ""
+    lm = ours["kubejax_lm_tokens_per_s"]
+    return f"{lm:,} / {round(peer_tokens_per_s):,}: **{lm / peer_tokens_per_s:.2f}×**"
 
 
 def _keras_section(result: dict) -> list[str]:
@@ -428,22 +440,24 @@ def _keras_section(result: dict) -> list[str]:
         "each decoder layer checkpointed (Keras's `RematScope` cannot wrap these layers), at "
         "batch 4, the first setting that fit (Tunix's batch; the attempts stop there).", "",
         "| shape | kubejax tokens/s (batch) | keras-hub tokens/s (batch, remat) | "
-        "kubejax / keras-hub | MFU kubejax | MFU keras-hub (incl. its LM head) | first step "
-        "kubejax / keras-hub | keras-hub's peak HBM |",
-        "| --- | --- | --- | --- | --- | --- | --- | --- |",
+        "kubejax / keras-hub | the same work: kubejax's LM on every token / keras-hub | "
+        "MFU kubejax | MFU keras-hub (incl. its LM head) | first step kubejax / keras-hub | "
+        "keras-hub's peak HBM |",
+        "| --- | --- | --- | --- | --- | --- | --- | --- | --- |",
     ]  # fmt: skip
     for k in keras["cases"]:
         c = ours.get(k["case"])
         if c is None:
             continue
         if k["status"] != "ok":
-            lines.append(f"| {k['case']} | {c['kubejax_tokens_per_s']:,} | **failed** | | | | | |")
+            lines.append(f"| {k['case']} | {c['kubejax_tokens_per_s']:,} | **failed** |{' |' * 6}")
             continue
         lines.append(
             f"| {k['case']} | {c['kubejax_tokens_per_s']:,} ({c['kubejax_batch']} × 2048) | "
             f"{round(k['tokens_per_s']):,} ({k['batch']} × 2048, {k['attempt']['remat'] or 'none'})"
             f" | **{c['kubejax_tokens_per_s'] / k['tokens_per_s']:.2f}×** | "
-            f"{c['kubejax_mfu']:.2f} | {k['mfu_197']:.2f} ({k['mfu_197_incl_lm_head']:.2f}) | "
+            f"{_same_work(c, k['tokens_per_s'])} | {c['kubejax_mfu']:.2f} | "
+            f"{k['mfu_197']:.2f} ({k['mfu_197_incl_lm_head']:.2f}) | "
             f"{c['kubejax_first_step_s']:.1f} s / {k['first_step_s']:.1f} s | "
             f"{k['device_peak_bytes'] / 2**30:.2f} GiB |"
         )
