@@ -261,3 +261,25 @@ def test_the_train_step_compiled_ahead_is_the_run_s(
     said = [(r.threadName, r.getMessage()) for r in caplog.records]
     compiled = [t for t, m in said if "Finished XLA compilation of jit(train_step)" in m]
     assert compiled == ["step-ahead"], said  # not even read from the cache by the run
+
+
+def test_a_run_refused_while_its_step_compiles_ahead_exits_2(
+    tiny_decoder_dir, prepared_decoder, tmp_path
+):
+    """A setting refused while the step's program compiles in its thread (forced here on a
+    CPU): the trainer's one-line error and exit 2, not a process aborted under the compile."""
+    import subprocess
+    import sys
+
+    args = tiny_args(tiny_decoder_dir, prepared_decoder, tmp_path / "out", device_memory="1MiB")
+    code = (
+        "import functools, sys\n"
+        "from kubejax.trainer import ahead, train\n"
+        "train.StepAhead = functools.partial(ahead.StepAhead, on=True)\n"
+        f"sys.exit(train.main({args!r}))\n"
+    )
+    for _ in range(2):  # the abort came in two of three runs
+        run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+        assert run.returncode == 2, run.stderr[-2000:]
+        assert "error: device_memory: the run needs" in run.stderr
+        assert "terminate called" not in run.stderr

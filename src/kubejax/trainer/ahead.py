@@ -6,7 +6,10 @@ run the setup and the steps, and everything compiles when it comes.
 
 The train step ahead is compiled from the model's shapes, and the run takes that step where the
 model it builds has the same structure: its first call then finds the program in memory. One
-process only (a job's processes compile their programs together).
+process only (a job's processes compile their programs together). The threads are not daemons:
+a run that stops early (a setting refused, a checkpoint unreadable) exits once their compile is
+done, since JAX tearing its backends down under a compile aborted the process (exit -6, not the
+run's own status).
 """
 
 from __future__ import annotations
@@ -48,7 +51,7 @@ class StepAhead:
         if not (_accelerator() if on is None else on) or jax.process_count() > 1:
             return
         args = (cfg, data, mesh)
-        self.thread = threading.Thread(target=self._run, args=args, name="step-ahead", daemon=True)
+        self.thread = threading.Thread(target=self._run, args=args, name="step-ahead")
         self.thread.start()
 
     def _run(self, cfg: TrainConfig, data: TrainData, mesh) -> None:
@@ -159,7 +162,7 @@ class EvaluationAhead:
             except Exception as err:  # the evaluation compiles (and says any error) itself
                 log.debug("evaluation compiled ahead: %s", err)
 
-        self.thread = threading.Thread(target=run, name="evaluation-ahead", daemon=True)
+        self.thread = threading.Thread(target=run, name="evaluation-ahead")
         self.thread.start()
 
     def __call__(self, *args, **kwargs):
