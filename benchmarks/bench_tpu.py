@@ -249,6 +249,7 @@ def run_case(case: Case, work: Path, out: Path, env: dict, peak_tflops: float) -
         "what": case.what,
         "wall_s": round(wall, 1),
         **planned(case, work),
+        "settings": case.settings,  # what tests/trainer/test_plan.py plans again
     }
     if proc.returncode != 0:
         tail = [line for line in log.strip().splitlines() if line.strip()][-3:]
