@@ -19,7 +19,6 @@ import threading
 from functools import partial
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 
 from kubejax.models.kernels import matrices_in
@@ -27,7 +26,7 @@ from kubejax.trainer import distributed, sharding
 from kubejax.trainer.config import TrainConfig
 from kubejax.trainer.inputs import TrainData, eval_batches, train_batches
 from kubejax.trainer.model_setup import abstract_model, frozen_shardings, split_model
-from kubejax.trainer.optimizer import make_optimizer
+from kubejax.trainer.optimizer import make_optimizer, state_init
 from kubejax.trainer.steps import make_train_step
 
 log = logging.getLogger("kubejax.trainer")
@@ -106,17 +105,9 @@ def step_of_shapes(cfg: TrainConfig, data: TrainData, mesh):
 
 def _state_of_shapes(params, tx, mesh):
     """`train.place_state`'s parameters, optimizer state and shardings, as shapes."""
-
-    def init(params):
-        return tx.init(matrices_in(params, jnp.float32))
-
-    opt_state = jax.eval_shape(init, params)
-    if not sharding.is_sharded(mesh):
-        rep = distributed.replicated(mesh)
-        return _placed(params, rep), _placed(opt_state, rep), None
-    params_sh = sharding.param_shardings(params, mesh)
-    opt_sh = sharding.state_shardings(tx, opt_state, params_sh, mesh)
-    return _placed(params, params_sh), _placed(opt_state, opt_sh), (params_sh, opt_sh)
+    opt_state = jax.eval_shape(state_init(tx), params)
+    params_sh, opt_sh, shardings = sharding.state_layout(params, opt_state, tx, mesh)
+    return _placed(params, params_sh), _placed(opt_state, opt_sh), shardings
 
 
 def _placed(tree, shardings):
@@ -139,11 +130,7 @@ class EvaluationAhead:
         if not (_accelerator() if on is None else on) or not len(data.val):
             return
         shapes = jax.eval_shape(lambda p: matrices_in(p, cfg.dtype), params)
-        abstract = jax.tree.map(
-            lambda a, p: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=p.sharding),
-            shapes,
-            params,
-        )
+        abstract = _placed(shapes, jax.tree.map(lambda p: p.sharding, params))
         fn = getattr(eval_step, "func", eval_step)
         kwargs = getattr(eval_step, "keywords", {})
 

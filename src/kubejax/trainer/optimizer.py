@@ -10,6 +10,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
+from kubejax.models.kernels import matrices_in
 from kubejax.trainer.config import TrainConfig
 
 
@@ -109,3 +110,12 @@ def with_settings(opt_state, cfg: TrainConfig):
         if old is not None:
             new[name] = jax.device_put(jnp.asarray(value, old.dtype), old.sharding)
     return opt_state._replace(hyperparams=new)
+
+
+def state_init(tx):
+    """`params → tx`'s fresh state, in float32 whatever the weights' dtype (`param_dtype`)."""
+
+    def init(params):
+        return tx.init(matrices_in(params, jnp.float32))
+
+    return init

@@ -144,6 +144,18 @@ def state_shardings(tx, opt_state, params_shardings, mesh: Mesh):
     )
 
 
+def state_layout(params, opt_state, tx, mesh: Mesh):
+    """Where the trainer keeps its parameters and optimizer state (`opt_state`: its shapes will
+    do): (the parameters' shardings, the state's, and the pair a sharded step is made with);
+    replicated, one sharding each and None for the pair."""
+    if not is_sharded(mesh):
+        replicated = NamedSharding(mesh, PartitionSpec())
+        return replicated, replicated, None
+    params_sh = param_shardings(params, mesh)
+    opt_sh = state_shardings(tx, opt_state, params_sh, mesh)
+    return params_sh, opt_sh, (params_sh, opt_sh)
+
+
 def batch_spec(mesh: Mesh, leading: int = 0) -> PartitionSpec:
     """Batch arrays: split on the batch axis (after `leading` axes) over data × fsdp."""
     axes = tuple(a for a in BATCH_AXES if a in mesh.axis_names)

@@ -26,7 +26,6 @@ import time
 from pathlib import Path
 
 import jax
-import jax.numpy as jnp
 
 from kubejax import monitoring
 from kubejax.errors import KubejaxError
@@ -39,7 +38,12 @@ from kubejax.trainer.config import ConfigError, TrainConfig
 from kubejax.trainer.export import export_model, state_sizes
 from kubejax.trainer.inputs import TrainData, eval_batches, load_data, train_batches
 from kubejax.trainer.model_setup import build_model, model_choices, split_trainable
-from kubejax.trainer.optimizer import host_learning_rates, make_optimizer, with_settings
+from kubejax.trainer.optimizer import (
+    host_learning_rates,
+    make_optimizer,
+    state_init,
+    with_settings,
+)
 from kubejax.trainer.progress import Progress, start_tracker
 from kubejax.trainer.steps import make_eval_step
 
@@ -67,20 +71,15 @@ def make_mesh(cfg: TrainConfig):
 def place_state(params, tx, mesh):
     """Parameters and a fresh optimizer state on the mesh: replicated, or each in its shards
     (the moments like their parameters); with the shardings for a sharded train step."""
-
-    # The optimizer's state is float32 whatever the weights' dtype (`param_dtype`).
-    def init(params):
-        return tx.init(matrices_in(params, jnp.float32))
-
-    if not sharding.is_sharded(mesh):
+    init = state_init(tx)
+    params_sh, opt_sh, shardings = sharding.state_layout(
+        params, jax.eval_shape(init, params), tx, mesh
+    )
+    if shardings is None:
         params = distributed.replicate(params, mesh)
-        opt_state = jax.jit(init, out_shardings=distributed.replicated(mesh))(params)
-        return params, opt_state, None
-    params_sh = sharding.param_shardings(params, mesh)
-    params = jax.device_put(params, params_sh)
-    opt_sh = sharding.state_shardings(tx, jax.eval_shape(init, params), params_sh, mesh)
-    opt_state = jax.jit(init, out_shardings=opt_sh)(params)
-    return params, opt_state, (params_sh, opt_sh)
+    else:
+        params = jax.device_put(params, params_sh)
+    return params, jax.jit(init, out_shardings=opt_sh)(params), shardings
 
 
 def restore_latest(ckpt: Checkpointer, cfg: TrainConfig, params, opt_state):
