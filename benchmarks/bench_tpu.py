@@ -114,6 +114,17 @@ def cases(smoke: bool = False) -> list[Case]:
              {**run, **LORA, "global_batch_size": 8, "grad_accum_steps": 2,
               "max_length": int(long)},
              "Llama-3.2-1B shape, LoRA r16 q/k/v/o, seq 2048 × 8 (2 micro-batches)", lora=True),
+        # A long run's layers as `scan_layers` auto takes them on a TPU (unrolled once the run
+        # repays their compile): the same steps, measured here over 12.
+        Case("qwen05b-full-2048-unrolled", qwen, long,
+             {**run, "global_batch_size": 4, "max_length": int(long), "remat": "minimal",
+              "scan_layers": False},
+             "Qwen2.5-0.5B shape, full FT, seq 2048 × 4, layers unrolled (a long run's)"),
+        Case("llama1b-lora-2048-unrolled", llama, long,
+             {**run, **LORA, "global_batch_size": 8, "grad_accum_steps": 2,
+              "max_length": int(long), "scan_layers": False},
+             "Llama-3.2-1B shape, LoRA r16 q/k/v/o, seq 2048 × 8 (2 micro-batches), layers "
+             "unrolled (a long run's)", lora=True),
         Case("llama1b-lora-8192", llama, longest,
              {**run, **LORA, "global_batch_size": 2, "grad_accum_steps": 2,
               "max_length": int(longest)},
@@ -381,16 +392,23 @@ def _sections(result: dict) -> list[str]:
             "batches of 2-4 rows where 4 or 8 did not fit)." + (f" {result['tunix_note']}"
             if result.get("tunix_note") else ""), "",
             "| shape | kubejax tokens/s (batch) | Tunix tokens/s (batch, remat, splash) | "
-            "kubejax / Tunix | the same work: kubejax's LM on every token / Tunix | MFU kubejax "
-            "| MFU Tunix (incl. its LM head) | first step kubejax / Tunix |",
-            "| --- | --- | --- | --- | --- | --- | --- | --- |",
+            "kubejax / Tunix | a long run's: layers unrolled / Tunix | the same work: kubejax's "
+            "LM on every token / Tunix | MFU kubejax | MFU Tunix (incl. its LM head) | first "
+            "step kubejax / Tunix |",
+            "| --- | --- | --- | --- | --- | --- | --- | --- | --- |",
         ]  # fmt: skip
         for c in result["comparison"]:
             same = _same_work(c, c["tunix_tokens_per_s"])
+            unrolled = (
+                f"{c['kubejax_unrolled_tokens_per_s']:,}: **{c['ratio_unrolled']:.2f}×**"
+                if c.get("kubejax_unrolled_tokens_per_s")
+                else ""
+            )
             lines.append(
                 f"| {c['tunix']} | {c['kubejax_tokens_per_s']:,} ({c['kubejax_batch']} × 2048) | "
                 f"{c['tunix_tokens_per_s']:,} ({c['tunix_batch']} × 2048, {c['tunix_remat']}, "
-                f"{'on' if c['tunix_splash'] else 'off'}) | **{c['ratio']:.2f}×** | {same} | "
+                f"{'on' if c['tunix_splash'] else 'off'}) | **{c['ratio']:.2f}×** | {unrolled} | "
+                f"{same} | "
                 f"{c['kubejax_mfu']:.2f} | {c['tunix_mfu']:.2f} "
                 f"({c['tunix_mfu_incl_lm_head']:.2f}) | {c['kubejax_first_step_s']:.1f} s / "
                 f"{c['tunix_first_step_s']:.1f} s |"
@@ -400,7 +418,7 @@ def _sections(result: dict) -> list[str]:
         lines += _keras_section(result)
     if result.get("attempts"):
         lines += [
-            "", "## Attempts (bench/NOTES.md, T4-T11)", "",
+            "", "## Attempts (bench/NOTES.md, T4-T13)", "",
             "| attempt | tokens/s | MFU (197) | first step | step program | note |",
             "| --- | --- | --- | --- | --- | --- |",
         ]  # fmt: skip
@@ -422,7 +440,10 @@ def _same_work(ours: dict, peer_tokens_per_s: float) -> str:
     if "kubejax_lm_tokens_per_s" not in ours:
         return ""
     lm = ours["kubejax_lm_tokens_per_s"]
-    return f"{lm:,} / {round(peer_tokens_per_s):,}: **{lm / peer_tokens_per_s:.2f}×**"
+    text = f"{lm:,} / {round(peer_tokens_per_s):,}: **{lm / peer_tokens_per_s:.2f}×**"
+    if unrolled := ours.get("kubejax_lm_unrolled_tokens_per_s"):  # a long run's layers
+        text += f"; unrolled {unrolled:,}: **{unrolled / peer_tokens_per_s:.2f}×**"
+    return text
 
 
 def _keras_section(result: dict) -> list[str]:

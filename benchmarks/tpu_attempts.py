@@ -178,9 +178,9 @@ def _profiled(stack: contextlib.ExitStack, trace_dir: str, first: int = 4, count
     """Trace train steps `first` .. `first + count - 1` (after the first's compile)."""
     import jax
 
-    from kubejax.trainer import train
+    from kubejax.trainer import ahead
 
-    make = train.make_train_step
+    make = ahead.StepAhead.train_step  # the run's step, compiled ahead or made then
 
     def make_traced(*args, **kwargs):
         step = make(*args, **kwargs)
@@ -202,7 +202,7 @@ def _profiled(stack: contextlib.ExitStack, trace_dir: str, first: int = 4, count
         traced.keywords = getattr(step, "keywords", {})
         return traced
 
-    stack.enter_context(mock.patch.object(train, "make_train_step", make_traced))
+    stack.enter_context(mock.patch.object(ahead.StepAhead, "train_step", make_traced))
 
 
 def op_table(trace_dir: str, steps: int = 3, top: int = 45) -> str:

@@ -86,3 +86,23 @@ def test_a_training_step_with_splash_equals_the_reference():
     assert_close_to_scale(got[0], ref[0], 1e-3, "loss")
     for a, b in zip(jax.tree.leaves(got[1]), jax.tree.leaves(ref[1]), strict=True):
         assert_close_to_scale(a, b, 1e-2, "gradient")
+
+
+def test_this_chip_is_known_and_a_long_run_unrolls_its_layers():
+    """`scan_layers` unset reads the chip's kind from JAX (`kubejax.tpu`'s table): a 12-step
+    run keeps the scan, 20,000 steps of the Qwen2.5-0.5B shape at 4 × 2,048 unroll."""
+    from kubejax import tpu
+    from kubejax.models.weights import scratch_config
+    from kubejax.trainer import model_setup
+    from kubejax.trainer.config import TrainConfig
+
+    assert tpu.generation(jax.devices()[0].device_kind) is not None, jax.devices()[0]
+    qwen = scratch_config(json.dumps({
+        "model_type": "qwen2", "vocab_size": 151936, "hidden_size": 896,
+        "intermediate_size": 4864, "num_hidden_layers": 24, "num_attention_heads": 14,
+        "num_key_value_heads": 2,
+    }))  # fmt: skip
+    cfg = TrainConfig(model="scratch", global_batch_size=4 * jax.device_count(), max_length=2048)
+    short, long = (model_setup.scan_choice(cfg, qwen, steps) for steps in (12, 20_000))
+    print(short, long)
+    assert short[0] and not long[0], (short, long)

@@ -87,7 +87,7 @@ def step_of_shapes(cfg: TrainConfig, data: TrainData, mesh):
     """A train step as the run makes it, for the model's shapes placed as the run places them,
     its first call's arguments and what it was made for: (step, args, kwargs, made for)."""
     tx = make_optimizer(cfg)
-    model = abstract_model(cfg, data.num_labels)
+    model = abstract_model(cfg, data.num_labels, data.total_steps)
     graphdef, params, frozen = split_model(cfg, model)
     params, opt_state, shardings = _state_of_shapes(params, tx, mesh)
     if frozen is not None:

@@ -74,12 +74,13 @@ class TrainConfig:
         "decoders' activation checkpointing: none, minimal (keep the projections' outputs, "
         "recompute attention and the rest) or full (keep each layer's input only)",
     )
-    scan_layers: bool = _f(
-        True,
-        "decoders: the layers run as one scanned layer, so the program holds one layer (a "
-        "24-layer step compiles in ~15 s on a TPU v5e instead of ~80 s); false unrolls them, "
-        "5-10 % faster steps there (bench/tpu-results.md), for runs long enough to repay "
-        "the compile",
+    scan_layers: bool | None = _f(
+        None,
+        "decoders: true runs the layers as one scanned layer, so the program holds one layer "
+        "(a 24-layer step compiles in ~15 s on a TPU v5e instead of ~80 s); false unrolls "
+        "them, 6-9 % faster steps there (bench/tpu-results.md); unset (auto) unrolls them on "
+        "a TPU when the run's training is long enough to repay the longer compile (the "
+        "trainer's first line says which it took and why)",
     )
     attention: str = _f(
         "auto",

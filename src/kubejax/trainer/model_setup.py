@@ -11,10 +11,12 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from kubejax import tpu
 from kubejax.data import dataset
 from kubejax.models import lora, weights
 from kubejax.models.bert import BertClassifier
 from kubejax.models.kernels import matrices_in
+from kubejax.models.shape import ModelShape
 from kubejax.trainer import distributed, plan, sharding
 from kubejax.trainer.config import ConfigError, TrainConfig
 from kubejax.trainer.inputs import TrainData
@@ -27,7 +29,9 @@ def build_model(
     the parts initialised fresh; refused when the data's rows are longer than its positions,
     or when the mesh's tensor axis does not divide its heads or MLP (`mesh_sizes`).
     `placement`: parameters load straight into these shardings (`sharding.placement`)."""
-    model, tokenizer_dir, fresh = classifier_for(cfg, data.num_labels, mesh_sizes, placement)
+    model, tokenizer_dir, fresh = classifier_for(
+        cfg, data.num_labels, mesh_sizes, placement, data.total_steps
+    )
     positions = model.config.max_position_embeddings
     longest = int(max(data.train.lengths.max(), data.val.lengths.max(initial=0)))
     multiple = cfg.bucket_multiple or dataset.DEFAULT_BUCKET_MULTIPLE  # 0: not yet chosen
@@ -42,10 +46,15 @@ def build_model(
 
 
 def classifier_for(
-    cfg: TrainConfig, num_labels: int, mesh_sizes: dict | None = None, placement=None
+    cfg: TrainConfig,
+    num_labels: int,
+    mesh_sizes: dict | None = None,
+    placement=None,
+    steps: int = 0,
 ) -> tuple[nnx.Module, Path | None, list]:
     """The model of `cfg.model` for `cfg.task` (pretrained weights, or fresh for 'scratch') in
-    `cfg.dtype` with `cfg.dropout`, its tokenizer folder and the parts initialised fresh."""
+    `cfg.dtype` with `cfg.dropout`, its tokenizer folder and the parts initialised fresh
+    (`steps`: the run's optimizer steps, for `scan_choice`)."""
     from safetensors import SafetensorError
 
     dtype = _dtype(cfg)
@@ -66,7 +75,7 @@ def classifier_for(
     _apply_dropout(cfg, model_cfg)
     if cfg.remat != "none" and not weights.is_decoder(model_cfg):
         raise ConfigError(f"remat: {cfg.remat!r} applies to decoder models; BERT trains without")
-    if not cfg.scan_layers and not weights.is_decoder(model_cfg):
+    if cfg.scan_layers is False and not weights.is_decoder(model_cfg):
         raise ConfigError("scan_layers: false applies to decoder models; BERT's are unrolled")
     if model_dir is None:
         model, fresh = _fresh_model(cfg, model_cfg, num_labels, dtype), ["all"]
@@ -91,7 +100,7 @@ def classifier_for(
             family = "BERT" if model_cfg.model_type == "bert" else model_cfg.model_type
             unusable = f"model: {cfg.model} is not a usable {family} checkpoint"
             raise ConfigError(f"{unusable} ({str(err).removeprefix('model: ')})") from err
-    _settle(cfg, model, spec if weights.is_decoder(model_cfg) else None)
+    _settle(cfg, model, spec if weights.is_decoder(model_cfg) else None, steps)
     tokenizer_dir = Path(cfg.tokenizer) if cfg.tokenizer else model_dir
     if tokenizer_dir is not None and not tokenizer_dir.is_dir():
         tokenizer_dir = weights.resolve_model_dir(str(tokenizer_dir), weights=False)
@@ -112,7 +121,7 @@ def model_config(cfg: TrainConfig):
         raise ConfigError(f"model: {cfg.model}: {err}") from err
 
 
-def abstract_model(cfg: TrainConfig, num_labels: int) -> nnx.Module:
+def abstract_model(cfg: TrainConfig, num_labels: int, steps: int = 0) -> nnx.Module:
     """The model `classifier_for` makes, its weights as shapes: nothing read, drawn or placed
     (`nnx.eval_shape`). What a program can be compiled for while the weights load
     (`kubejax.trainer.ahead`). Its settings unchecked: `classifier_for` checks them."""
@@ -129,7 +138,7 @@ def abstract_model(cfg: TrainConfig, num_labels: int) -> nnx.Module:
 
             task = cfg.task or "classification"
             model = decoder_weights.build(model_cfg, task, num_labels, dtype, cfg.seed)
-        _settle(cfg, model, spec)
+        _settle(cfg, model, spec, steps)
         return model
 
     return nnx.eval_shape(make)
@@ -139,20 +148,60 @@ def _dtype(cfg: TrainConfig):
     return jnp.bfloat16 if cfg.dtype == "bfloat16" else jnp.float32
 
 
-def _settle(cfg: TrainConfig, model, spec) -> None:
-    """A decoder's attention (`spec`; None for BERT), scan and remat as set, and the adapters
-    where asked."""
+def _settle(cfg: TrainConfig, model, spec, steps: int = 0) -> None:
+    """A decoder's attention (`spec`; None for BERT), scan (`scan_choice`) and remat as set,
+    and the adapters where asked."""
     if spec is not None:
         model.model.remat = cfg.remat
         model.model.attention = spec
-        model.model.scan = cfg.scan_layers
+        model.model.scan = scan_choice(cfg, model.config, steps)[0]
     if cfg.peft != "none":
         _add_adapters(cfg, model)
 
 
-def model_choices(cfg: TrainConfig, model) -> list[str]:
+#: `scan_layers` unset: how a TPU's unrolled layers pay, measured on a v5e at 2,048 tokens
+#: (bench/NOTES.md T4, T13): steps 6-9 % faster than the scan's (Qwen2.5-0.5B shape full FT
+#: 7.9 %, LoRA 6.0 %, Llama-3.2-1B shape LoRA 9.4 %), the first step 2.0-2.8 s a layer longer
+#: to compile (the evaluation's too, compiled beside the steps); the scanned steps' MFU
+#: 0.48-0.56 of the chip's peak. The least gain and the most compile, so that a run unrolls
+#: only where it surely repays.
+UNROLLED_GAIN = 0.06
+UNROLLED_COMPILE_S_PER_LAYER = 3.0
+SCANNED_MFU = 0.5
+
+
+def scan_choice(cfg: TrainConfig, model_cfg, steps: int) -> tuple[bool, str]:
+    """Whether a decoder's layers run in one scan, and why: as `scan_layers` says, or (unset)
+    unrolled on a TPU whose run trains long enough that 6 % faster steps repay the unrolled
+    program's compile, its training time estimated from its FLOPs (`ModelShape`) at half the
+    chip's peak. Elsewhere scanned: on a CPU unrolling gained nothing (bench/NOTES.md C3), on
+    a GPU it is unmeasured."""
+    if cfg.scan_layers is not None:
+        return cfg.scan_layers, "as set"
+    device = jax.devices()[0]
+    chip = tpu.generation(device.device_kind) if device.platform == "tpu" else None
+    if chip is None:
+        return True, f"auto: unrolled only on a TPU, this is a {device.platform}"
+    shape = ModelShape.of({k: getattr(model_cfg, k) for k in _SHAPE_KEYS})
+    tokens = steps * cfg.global_batch_size * cfg.max_length
+    flop_s = jax.device_count() * chip.peak_tflops * 1e12 * SCANNED_MFU
+    training = tokens * shape.train_flops(cfg.max_length, cfg.peft) / flop_s
+    repays = shape.layers * UNROLLED_COMPILE_S_PER_LAYER / UNROLLED_GAIN
+    why = f"auto: ~{_minutes(training)} of training, unrolled from ~{_minutes(repays)}"
+    return training < repays, why
+
+
+_SHAPE_KEYS = ("model_type", "hidden_size", "num_hidden_layers", "intermediate_size",
+               "num_attention_heads", "head_dim", "num_key_value_heads")  # fmt: skip
+
+
+def _minutes(seconds: float) -> str:
+    return f"{seconds / 60:.0f} min" if seconds >= 90 else f"{seconds:.0f} s"
+
+
+def model_choices(cfg: TrainConfig, model, steps: int = 0) -> list[str]:
     """What the run's model computes with, for the trainer's first line: a decoder's attention
-    (and why `auto` took it), its scanned layers and remat policy."""
+    (and why `auto` took it), its scanned layers (and why, over `steps`) and remat policy."""
     if not hasattr(getattr(model, "model", None), "attention"):  # BERT: the reference
         return []
     spec = model.model.attention
@@ -160,8 +209,8 @@ def model_choices(cfg: TrainConfig, model) -> list[str]:
     block = f", blocks of {spec.block}" if spec.implementation in ("splash", "chunked") else ""
     return [
         f"attention {spec.implementation} ({why}{block})",
-        f"{model.model.num_layers} layers {'in one scan' if model.model.scan else 'unrolled'}, "
-        f"remat {cfg.remat}",
+        f"{model.model.num_layers} layers {'in one scan' if model.model.scan else 'unrolled'} "
+        f"({scan_choice(cfg, model.config, steps)[1]}), remat {cfg.remat}",
     ]
 
 

@@ -211,6 +211,13 @@ def plan_memory(
     trained = sum(e * (pbytes if mx and cfg.peft == "none" else 4) for e, mx in trains)
     batch_devices = sizes["data"] * sizes["fsdp"]
     micro = cfg.global_batch_size // cfg.grad_accum_steps // batch_devices
+    # Unrolled decoder layers (`scan_layers` false) hold two copies fewer of what trains than
+    # the scan, whose loop carries the stacked layers' gradients: fitted on the v5e, the
+    # Qwen2.5-0.5B shape's full FT unrolled held 1.81 and 1.97 GiB less than scanned at 256 × 32
+    # and 2,048 × 4, twice its 0.92 GiB of bfloat16 weights (bench/NOTES.md T13). LoRA's
+    # unrolled programs held 0.3-0.7 GiB less, its adapters next to nothing: the plan stays
+    # above them. Unset (auto), the scan's figure: the most the run can hold.
+    unrolled = cfg.scan_layers is False and weights.is_decoder(model_cfg)
     return MemoryPlan(
         mesh=sizes,
         micro_batch=micro,
@@ -221,7 +228,8 @@ def plan_memory(
         optimizer=sum(_moment_elements(cfg, e, mx) * 4 for e, mx in trains),
         activations=_activations(
             cfg, model_cfg, sizes, micro, attention_of(cfg, model_cfg, platform), platform
-        ),
+        )
+        - (2 * trained if unrolled else 0),
         gathered=_gathered(params, shards, sizes, pbytes, cfg),
         device_memory=device_memory,
     )

@@ -286,7 +286,7 @@ def run_choices(cfg: TrainConfig, data: TrainData, model) -> list[str]:
     """What the run chose for itself, for its first line: its length buckets, the model's
     attention, scanned layers and remat."""
     choices = [data.buckets.describe(packing=data.packed is not None)] if data.buckets else []
-    return choices + model_choices(cfg, model)
+    return choices + model_choices(cfg, model, data.total_steps)
 
 
 class Walls:
