@@ -188,6 +188,12 @@ def test_on_a_tpu_the_layers_unroll_when_the_run_repays_the_compile(
     for scan_layers in (True, False):
         cfg = TrainConfig(model="scratch", scan_layers=scan_layers)
         assert model_setup.scan_choice(cfg, qwen, steps) == (scan_layers, "as set")
+    Chip.device_kind = "TPU v3"  # a kind without a peak in kubejax.tpu: the scan
+    cfg = TrainConfig(model="scratch")
+    assert model_setup.scan_choice(cfg, qwen, steps) == (
+        True,
+        "auto: TPU v3's peak is not known here",
+    )
 
 
 def test_scan_layers_is_refused_for_bert(tiny_model_dir, prepared, tmp_path, capsys):

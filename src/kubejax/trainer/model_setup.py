@@ -179,9 +179,11 @@ def scan_choice(cfg: TrainConfig, model_cfg, steps: int) -> tuple[bool, str]:
     if cfg.scan_layers is not None:
         return cfg.scan_layers, "as set"
     device = jax.devices()[0]
-    chip = tpu.generation(device.device_kind) if device.platform == "tpu" else None
-    if chip is None:
+    if device.platform != "tpu":
         return True, f"auto: unrolled only on a TPU, this is a {device.platform}"
+    chip = tpu.generation(device.device_kind)
+    if chip is None:  # its peak unknown: no estimate of the run's length
+        return True, f"auto: {device.device_kind}'s peak is not known here"
     shape = ModelShape.of({k: getattr(model_cfg, k) for k in _SHAPE_KEYS})
     tokens = steps * cfg.global_batch_size * cfg.max_length
     flop_s = jax.device_count() * chip.peak_tflops * 1e12 * SCANNED_MFU
