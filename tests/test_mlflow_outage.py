@@ -102,12 +102,20 @@ def _server(mlflow_server):
 @pytest.fixture
 def server(_server, monkeypatch):
     """The module's server behind its relay, reachable (a test before may have cut it)."""
-    for k, v in NO_HTTP_RETRIES.items():
-        monkeypatch.setenv(k, v)
     monkeypatch.setattr(tracking, "FLUSH_SECONDS", 0.2)
     if not _server.up:
         _server.start()
     return _server
+
+
+def _tracker(server, monkeypatch):
+    """A run on the server, created with MLflow's own retries (a connection the busy server
+    reset once failed a run's creation before any outage, CI 2026-12-07); every send after
+    it without them."""
+    tracker = tracking.create_tracker(server.uri, "outage", run_name="r")
+    for k, v in NO_HTTP_RETRIES.items():
+        monkeypatch.setenv(k, v)
+    return tracker
 
 
 def _log_steps(tracker, steps, pause=0.0):
@@ -123,8 +131,8 @@ def _wait_for_failed_sends(tracker, timeout=30.0):
         time.sleep(0.1)
 
 
-def test_outage_metrics_logged_while_down_arrive_after_the_restart(server):
-    tracker = tracking.create_tracker(server.uri, "outage", run_name="r")
+def test_outage_metrics_logged_while_down_arrive_after_the_restart(server, monkeypatch):
+    tracker = _tracker(server, monkeypatch)
     _log_steps(tracker, range(1, 21), pause=0.02)
     time.sleep(0.5)
     server.stop()
@@ -141,7 +149,7 @@ def test_outage_metrics_logged_while_down_arrive_after_the_restart(server):
 
 def test_outage_past_the_retries_is_counted_and_reported(server, monkeypatch, caplog):
     monkeypatch.setattr(tracking, "FINISH_RETRY_SECONDS", 1.0)
-    tracker = tracking.create_tracker(server.uri, "outage", run_name="r")
+    tracker = _tracker(server, monkeypatch)
     _log_steps(tracker, range(1, 11))
     time.sleep(0.5)
     server.stop()
