@@ -91,27 +91,21 @@ class Relay:
             pass  # cut
 
 
-@pytest.fixture(scope="module")
-def _server(mlflow_server):
-    """The session's server behind this module's relay (each start of a server costs ~10 s)."""
+@pytest.fixture
+def server(mlflow_server, monkeypatch):
+    """The session's server behind a relay of this test's own, on a free port: no connection
+    a client pooled in an earlier test (through a relay cut and restored since) is reused. Two
+    fresh-clone CI runs failed a run's creation on such connections, before any outage: each
+    first request reset, its retry on a new connection served."""
+    monkeypatch.setattr(tracking, "FLUSH_SECONDS", 0.2)
     relay = Relay(int(mlflow_server.rsplit(":", 1)[1])).start()
     yield relay
     relay.stop()
 
 
-@pytest.fixture
-def server(_server, monkeypatch):
-    """The module's server behind its relay, reachable (a test before may have cut it)."""
-    monkeypatch.setattr(tracking, "FLUSH_SECONDS", 0.2)
-    if not _server.up:
-        _server.start()
-    return _server
-
-
 def _tracker(server, monkeypatch):
-    """A run on the server, created with MLflow's own retries (a connection the busy server
-    reset once failed a run's creation before any outage, CI 2026-12-07); every send after
-    it without them."""
+    """A run on the server, created with MLflow's own retries; every send after it without
+    them (the tests' outages fail each send at once)."""
     tracker = tracking.create_tracker(server.uri, "outage", run_name="r")
     for k, v in NO_HTTP_RETRIES.items():
         monkeypatch.setenv(k, v)
