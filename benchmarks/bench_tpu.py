@@ -62,8 +62,10 @@ GEMMA_270M = {
     "pad_token_id": 0,
 }  # fmt: skip
 LORA = {"peft": "lora", "lora_rank": 16, "lora_alpha": 32.0}
-#: What every measured run shares: bfloat16 weights and compute, one log line a step.
-COMMON = {"dtype": "bfloat16", "param_dtype": "bfloat16", "log_every": 1, "learning_rate": 5e-5}
+#: What every measured run shares: bfloat16 weights and compute, Adam's first moment in
+#: bfloat16 (the peers keep both moments in bfloat16), one log line a step.
+COMMON = {"dtype": "bfloat16", "param_dtype": "bfloat16", "mu_dtype": "bfloat16", "log_every": 1,
+          "learning_rate": 5e-5}  # fmt: skip
 
 
 @dataclasses.dataclass
@@ -120,6 +122,11 @@ def cases(smoke: bool = False) -> list[Case]:
              {**run, "global_batch_size": 4, "max_length": int(long), "remat": "minimal",
               "scan_layers": False},
              "Qwen2.5-0.5B shape, full FT, seq 2048 × 4, layers unrolled (a long run's)"),
+        Case("qwen05b-lora-2048-unrolled", qwen, long,
+             {**run, **LORA, "global_batch_size": 8, "max_length": int(long),
+              "scan_layers": False},
+             "Qwen2.5-0.5B shape, LoRA r16 q/k/v/o, seq 2048 × 8, layers unrolled (a long run's)",
+             lora=True),
         Case("llama1b-lora-2048-unrolled", llama, long,
              {**run, **LORA, "global_batch_size": 8, "grad_accum_steps": 2,
               "max_length": int(long), "scan_layers": False},

@@ -1,7 +1,8 @@
 """The TPU attempts of bench/NOTES.md: one benchmark case (`bench_tpu.cases`) run by the trainer
 under variants of the decoder that are not settings (every intermediate saved, the classifier's
-last layer inside the scan, k layers a scan iteration, splash's block sizes), or with settings
-over the case's (`unrolled`: `scan_layers` false), each measured as `bench_tpu.py` measures it;
+last layer inside the scan, k layers a scan iteration, splash's block sizes, q, k and v each
+its own product), or with settings over the case's (`unrolled`: `scan_layers` false; `mu-bf16`:
+Adam's first moment in bfloat16), each measured as `bench_tpu.py` measures it;
 `profile` also traces three steps and writes the TPU's time per XLA operation, heaviest first.
 
     python benchmarks/tpu_attempts.py --work .bench-tpu --out OUT \\
@@ -42,6 +43,7 @@ SETTINGS = {
     "unrolled": {"scan_layers": False},  # the stacked layers run one by one
     "accum2": {"grad_accum_steps": 2},  # the same batch in two micro-batches
     "accum4": {"grad_accum_steps": 4},
+    "mu-bf16": {"mu_dtype": "bfloat16"},  # Adam's first moment in bfloat16
 }
 
 
@@ -126,6 +128,13 @@ def _decoder_attribute(name: str, value):
     return patch
 
 
+def _apart(stack: contextlib.ExitStack) -> None:
+    """q, k and v each their own product (`decoder.SIDE_BY_SIDE` off), as before T14."""
+    from kubejax.models import decoder
+
+    stack.enter_context(mock.patch.object(decoder, "SIDE_BY_SIDE", False))
+
+
 #: Splash's block sizes (the fused backward kernel has no dq blocks).
 BLOCKS = ("block_q", "block_kv", "block_kv_compute", "block_q_dkv", "block_kv_dkv",
           "block_kv_dkv_compute")  # fmt: skip
@@ -171,6 +180,7 @@ PATCHES = {
     "unroll3": _decoder_attribute("scan_unroll", 3),
     "unroll4": _decoder_attribute("scan_unroll", 4),
     "lm-every-token": _lm_every_token,
+    "apart": _apart,
 }
 
 
@@ -205,6 +215,24 @@ def _profiled(stack: contextlib.ExitStack, trace_dir: str, first: int = 4, count
     stack.enter_context(mock.patch.object(ahead.StepAhead, "train_step", make_traced))
 
 
+def op_kind(hlo: str) -> str:
+    """What an XLA operation of a TPU trace (its event name: the HLO instruction) does, for the
+    time by kind: splash's kernels, products (and the fusions around them), the optimizer's
+    update, elementwise loops, reductions, copies, or the opcode."""
+    head = hlo.split(" = ", 1)[0].lstrip("%").split(".")[0]
+    if "splash" in head:
+        return "splash backward" if "dkv" in head or "dq" in head else "splash forward"
+    if "opt_state" in hlo:
+        return "optimizer update"
+    if head in ("convolution", "dot") or "kind=kOutput" in hlo:
+        return "products"
+    if "kind=kLoop" in hlo:
+        return "elementwise (loop fusions)"
+    if "kind=kInput" in hlo:
+        return "reductions (input fusions)"
+    return head
+
+
 def op_table(trace_dir: str, steps: int = 3, top: int = 45) -> str:
     """The TPU's time per XLA operation over the traced steps, heaviest first, with each
     operation's category and the JAX operation it came from."""
@@ -218,6 +246,8 @@ def op_table(trace_dir: str, steps: int = 3, top: int = 45) -> str:
     count: dict = defaultdict(int)
     info: dict = {}
     by_category: dict = defaultdict(float)
+    by_kind: dict = defaultdict(float)
+    kind_ops: dict = defaultdict(int)
     lines_seen = []
     for plane in data.planes:
         if "TPU" not in plane.name:
@@ -232,6 +262,8 @@ def op_table(trace_dir: str, steps: int = 3, top: int = 45) -> str:
                 count[event.name] += 1
                 category = str(stats.get("hlo_category", "?"))
                 by_category[category] += event.duration_ns
+                by_kind[op_kind(event.name)] += event.duration_ns
+                kind_ops[op_kind(event.name)] += 1
                 if event.name not in info:
                     info[event.name] = (
                         category,
@@ -243,6 +275,12 @@ def op_table(trace_dir: str, steps: int = 3, top: int = 45) -> str:
     out.append("by category:")
     for cat, ns in sorted(by_category.items(), key=lambda kv: -kv[1]):
         out.append(f"  {cat:28s} {ns / steps / 1e6:9.2f} ms/step  {ns / all_ns:6.1%}")
+    out.append("by kind (ops a step):")
+    for kind, ns in sorted(by_kind.items(), key=lambda kv: -kv[1]):
+        out.append(
+            f"  {kind:28s} {ns / steps / 1e6:9.2f} ms/step  {ns / all_ns:6.1%}"
+            f"  {kind_ops[kind] / steps:7.1f}"
+        )
     out.append("")
     out.append("ms/step   share  calls/step  category  op  <- source | hlo")
     for name, ns in sorted(total.items(), key=lambda kv: -kv[1])[:top]:

@@ -242,3 +242,25 @@ def test_the_tpu_benchmark_counts_flops_and_writes_its_table():
     if result.get("keras"):  # each keras-hub case beside kubejax's figure for the same shape
         keras = table.split("## Against keras-hub")[1].split("\n## ")[0]
         assert all(f"| {c['case']} | " in keras for c in result["keras"]["cases"])
+
+
+def test_the_tpu_profile_sums_each_operation_by_what_it_does():
+    """`tpu_attempts.op_kind` on operations of a v5e step's trace (their HLO, shortened)."""
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    import tpu_attempts
+
+    kinds = {
+        "%splash_mha_dkv_segmented_no_residuals.46 = (f32[4,512,64]) custom-call(...)":
+            "splash backward",
+        "%splash_mha_fwd_segmented.3 = (bf16[4,14,2048,64]) custom-call(...)": "splash forward",
+        "%fusion.2 = (bf16[151936,896]) fusion(bf16[151936,896] %params__embed, bf16[151936,896] "
+        "%opt_state_inner_state_1__0__mu__embed), kind=kLoop": "optimizer update",
+        "%fusion.7 = bf16[8192,896] fusion(bf16[8192,1152] %p, bf16[1152,896] %q), kind=kOutput":
+            "products",
+        "%convolution.12 = bf16[8192,128] convolution(bf16[8192,896] %x, bf16[896,128] %w)":
+            "products",
+        "%fusion.9 = bf16[8192,896] fusion(bf16[8192,896] %a), kind=kLoop":
+            "elementwise (loop fusions)",
+        "%copy.4 = bf16[4,2,2048,64] copy(bf16[4,2048,2,64] %k)": "copy",
+    }  # fmt: skip
+    assert {hlo: tpu_attempts.op_kind(hlo) for hlo in kinds} == kinds

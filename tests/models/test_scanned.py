@@ -116,3 +116,59 @@ def test_the_stacked_layout_loads_and_exports_every_layer(tmp_path):
     assert set(exported) == set(original)
     for key, value in original.items():
         np.testing.assert_array_equal(exported[key], value, err_msg=key)
+
+
+@pytest.mark.parametrize(
+    ("family", "head", "peft"),
+    [("qwen2", "classification", "none"), ("qwen2", "classification", "lora"),
+     ("llama", "causal-lm", "qlora"), ("gemma3_text", "causal-lm", "lora")],
+)  # fmt: skip
+def test_q_k_and_v_side_by_side_equal_them_one_by_one(tmp_path, monkeypatch, family, head, peft):
+    """q, k and v as one product, their adapters as one (what a TPU runs): the loss and every
+    gradient of what trains as each projection apart (a CPU's way); the classifier's last
+    layer shares k and v only."""
+    from kubejax.models import decoder
+
+    save_tiny(family, tmp_path, head=head)
+    apart = _loss_and_grads(_model(tmp_path, head, peft), True, head, peft)
+    monkeypatch.setattr(decoder, "SIDE_BY_SIDE_ON_CPU", True)
+    calls = []
+    real = decoder.side_by_side
+    monkeypatch.setattr(
+        decoder, "side_by_side", lambda p, x, k: calls.append(len(p)) or real(p, x, k)
+    )
+    together = _loss_and_grads(_model(tmp_path, head, peft), True, head, peft)
+    assert 3 in calls and (head != "classification" or 2 in calls)
+    assert_close_to_scale(together[0], apart[0], 1e-5, f"{family} loss")
+    flat_t, flat_a = jax.tree.leaves(together[1]), jax.tree.leaves(apart[1])
+    assert len(flat_t) == len(flat_a) > 0
+    for a, b in zip(flat_t, flat_a, strict=True):
+        assert_close_to_scale(a, b, 1e-4, f"{family} gradient")
+
+
+def test_only_narrow_projections_share_a_product_and_only_off_the_cpu(monkeypatch):
+    """The rule `side_by_side` follows: off the CPU, one of them narrow (Qwen2.5-0.5B's k and
+    v: 128 outputs), no adapter dropout drawn; wide ones (Llama-3.2-1B's 512) stay apart."""
+    from kubejax.models import decoder
+
+    rngs = nnx.Rngs(0)
+
+    def linears(outs):
+        return tuple(decoder.Linear(64, n, True, jnp.float32, rngs) for n in outs)
+
+    qwen, llama = linears((896, 128, 128)), linears((2048, 512, 512))
+    keys = [None] * 3
+    assert not decoder.shares_product(qwen, keys)  # this is a CPU
+    monkeypatch.setattr(decoder, "SIDE_BY_SIDE_ON_CPU", True)
+    assert decoder.shares_product(qwen, keys)
+    assert not decoder.shares_product(llama, keys)
+    mixed = (*linears((896,)), *linears((128, 128)))
+    mixed[0].bias = None  # biases on some only
+    assert not decoder.shares_product(mixed, keys)
+    for layer in qwen:
+        layer.lora_a = nnx.LoRAParam(jnp.zeros((64, 4)))
+        layer.lora_b = nnx.LoRAParam(jnp.zeros((4, layer.shape[1])))
+        layer.lora_scale, layer.lora_dropout = 2.0, 0.1
+    assert decoder.shares_product(qwen, keys)  # evaluation: no dropout drawn
+    drawn = list(jax.random.split(jax.random.key(0), 3))
+    assert not decoder.shares_product(qwen, drawn)  # each adapter its own mask

@@ -65,6 +65,8 @@ def test_fsdp_divides_the_state_and_bfloat16_halves_the_weights():
     assert 0.25 <= fsdp.optimizer / one.optimizer < 0.26
     assert 0.5 <= half.params / one.params < 0.51
     assert half.optimizer == one.optimizer  # moments stay float32
+    mu16 = plan.plan_memory(_cfg(mu_dtype="bfloat16"), model_cfg, 5, 4)
+    assert mu16.optimizer == one.optimizer * 3 // 4  # Adam's first moment in 2 bytes of 8
     assert fsdp.micro_batch == one.micro_batch == 8  # 32 rows over 4 devices
 
 

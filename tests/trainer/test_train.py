@@ -276,6 +276,31 @@ def test_each_optimizer_lowers_the_loss(optimizer, tmp_path, tiny_model_dir, six
     assert meta["config"]["optimizer"] == optimizer
 
 
+def test_adams_first_moment_in_bfloat16_trains(tmp_path, tiny_model_dir, sixteen_rows):
+    """`mu_dtype` bfloat16: the first moment held in bfloat16, the second in float32, and the
+    tiny model learns as with float32 moments (the same margin as the optimizers' test)."""
+    import jax
+    import jax.numpy as jnp
+    import optax
+
+    from kubejax.trainer.optimizer import make_optimizer, state_init
+
+    params = {"w": jnp.ones((4, 4), jnp.bfloat16), "b": jnp.ones((4,), jnp.float32)}
+    state = state_init(make_optimizer(TrainConfig(mu_dtype="bfloat16")))(params)
+    adam = next(s for s in jax.tree.leaves(
+        state, is_leaf=lambda x: isinstance(x, optax.ScaleByAdamState))
+        if isinstance(s, optax.ScaleByAdamState))  # fmt: skip
+    assert {x.dtype for x in jax.tree.leaves(adam.mu)} == {jnp.dtype(jnp.bfloat16)}
+    assert {x.dtype for x in jax.tree.leaves(adam.nu)} == {jnp.dtype(jnp.float32)}
+    out = tmp_path / "mu"
+    flags = {"learning_rate": OPTIMIZER_LR["adamw"], "max_steps": 32, "warmup_ratio": 0.0,
+             "mu_dtype": "bfloat16"}  # fmt: skip
+    assert trainer_main(tiny_args(tiny_model_dir, sixteen_rows, out, **flags)) == 0
+    metrics = json.loads((out / "metrics.json").read_text())
+    first = metrics["train"][0]["loss"]
+    assert metrics["final"]["eval_loss"] < first - 0.03, (first, metrics["final"])
+
+
 def test_without_save_final_a_run_keeps_no_final_checkpoint_and_no_model(
     tmp_path, capsys, tiny_model_dir, sixteen_rows
 ):
@@ -573,6 +598,14 @@ def test_resume_takes_this_runs_learning_rate_schedule_and_weight_decay(
 def test_optimizer_settings_apply_only_where_they_mean_something():
     with pytest.raises(ConfigError, match="b1: applies to adamw and lion, not to optimizer 'sgd'"):
         TrainConfig(model="m", data_dir="d", output_dir="o", optimizer="sgd", b1=0.9).validate(
+            check_paths=False
+        )
+    sgd_mu = "mu_dtype: applies to adamw and lion, not to optimizer 'sgd'"
+    with pytest.raises(ConfigError, match=sgd_mu):
+        TrainConfig(model="m", data_dir="d", output_dir="o", optimizer="sgd",
+                    mu_dtype="bfloat16").validate(check_paths=False)  # fmt: skip
+    with pytest.raises(ConfigError, match="mu_dtype: 'float16' is not one of float32, bfloat16"):
+        TrainConfig(model="m", data_dir="d", output_dir="o", mu_dtype="float16").validate(
             check_paths=False
         )
     with pytest.raises(ConfigError, match="optimizer: 'adam' is not one of"):

@@ -279,6 +279,74 @@ class Linear(Projection):
         return checkpoint_name(y, "projection")
 
 
+#: Whether the attention's q, k and v projections run as one product off the CPU where one of
+#: them is narrow (`NARROW`); the MLP's gate and up as one gained nothing on a TPU v5e
+#: (bench/NOTES.md T14).
+SIDE_BY_SIDE = True
+#: Outputs under which a projection's product is bound by reading its input: an accelerator
+#: does ~200-250 bf16 FLOPs per byte it reads (a v5e: 197 TFLOP/s over 819 GB/s), and a
+#: product of x by n columns does n FLOPs per byte of x. Measured on the v5e (T14): Qwen2.5-
+#: 0.5B's k and v (128 outputs) side by side with q +0.8-1.6 %; Llama-3.2-1B's (512) −0.6 %,
+#: the split of the joint output into q, k and v costing more than x's reads saved.
+NARROW = 256
+#: Whether they do on a CPU too (for the tests: the same sums as one by one).
+SIDE_BY_SIDE_ON_CPU = False
+
+
+def side_by_side(
+    projections: tuple[Linear, ...], x: jax.Array, keys: list[jax.Array | None]
+) -> list[jax.Array]:
+    """Each of `projections` applied to the same `x` (`keys`: their adapters' dropout).
+
+    Off the CPU, where one of them is narrow (fewer than `NARROW` outputs: grouped-query
+    attention's k and v on a small model), as one product of `x` by their kernels side by side,
+    and their LoRA adapters as one: the A matrices side by side, the B matrices block-diagonal;
+    apart, each narrow product reads the layer's input for little arithmetic, as each adapter's
+    A does. One by one otherwise: on a CPU (a fused QKV was slower there, bench/NOTES.md attempt
+    8), where every projection is wide, with the heads split over a tensor axis, or with
+    different dtypes, biases or adapter scales, or adapters drawing dropout masks of their own.
+    """
+    if not shares_product(projections, keys):
+        return [p(x, k) for p, k in zip(projections, keys, strict=True)]
+    first = projections[0]
+    dtype = first.dtype
+    x = x.astype(dtype)
+    kernel = jnp.concatenate([p.weight().astype(dtype) for p in projections], axis=-1)
+    y = linear(x, kernel)
+    if first.lora_a is not None:
+        a = jnp.concatenate([p.lora_a[...].astype(dtype) for p in projections], axis=-1)
+        b = jax.scipy.linalg.block_diag(*(p.lora_b[...].astype(dtype) for p in projections))
+        low = product(x, a).astype(dtype)
+        update = product(low, b).astype(jnp.float32)
+        y = (y + update * first.lora_scale).astype(dtype)
+    if first.bias is not None:
+        bias = jnp.concatenate([p.bias[...] for p in projections])
+        y = (y + bias).astype(dtype)
+    y = checkpoint_name(y, "projection")
+    ends = np.cumsum([p.shape[1] for p in projections])[:-1]
+    return jnp.split(y, ends, axis=-1)
+
+
+def shares_product(projections: tuple[Linear, ...], keys: list[jax.Array | None]) -> bool:
+    """Whether `side_by_side` computes `projections` as one product (its docstring says when)."""
+    adapters = [p.lora_a is not None for p in projections]
+    mesh = jax.sharding.get_abstract_mesh()
+    return (
+        (SIDE_BY_SIDE_ON_CPU or jax.default_backend() != "cpu")
+        and min(p.shape[1] for p in projections) < NARROW
+        and (mesh.empty or mesh.shape.get("tensor", 1) == 1)
+        and len({p.dtype for p in projections}) == 1
+        and len({p.bias is None for p in projections}) == 1
+        and len(set(adapters)) == 1
+        and (not adapters[0] or len({p.lora_scale for p in projections}) == 1)
+        and (
+            not adapters[0]
+            or all(k is None for k in keys)
+            or all(p.lora_dropout == 0.0 for p in projections)
+        )
+    )
+
+
 class RMSNorm(nnx.Module):
     """RMSNorm in float32. Llama's: `scale · x̂` in the input's dtype; Gemma's (`one_plus`):
     `(1 + scale) · x̂` in float32, then cast (its weights start at zero)."""
@@ -394,11 +462,16 @@ class Attention(nnx.Module):
             else jnp.take_along_axis(tokens.positions, queries, axis=1)
         )
         heads = ("batch", None, "heads", None)
-        q = constrain(
-            self.q_proj(q_in, kq).reshape(b, q_in.shape[1], self.heads, self.head_dim), *heads
-        )
-        k = constrain(self.k_proj(x, kk).reshape(b, n, self.kv_heads, self.head_dim), *heads)
-        v = constrain(self.v_proj(x, kv).reshape(b, n, self.kv_heads, self.head_dim), *heads)
+        if queries is None and SIDE_BY_SIDE:
+            q, k, v = side_by_side((self.q_proj, self.k_proj, self.v_proj), x, [kq, kk, kv])
+        elif SIDE_BY_SIDE:
+            q = self.q_proj(q_in, kq)
+            k, v = side_by_side((self.k_proj, self.v_proj), x, [kk, kv])
+        else:
+            q, k, v = self.q_proj(q_in, kq), self.k_proj(x, kk), self.v_proj(x, kv)
+        q = constrain(q.reshape(b, q_in.shape[1], self.heads, self.head_dim), *heads)
+        k = constrain(k.reshape(b, n, self.kv_heads, self.head_dim), *heads)
+        v = constrain(v.reshape(b, n, self.kv_heads, self.head_dim), *heads)
         if self.q_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
         scale = jnp.asarray(self.scale, q.dtype)

@@ -22,6 +22,7 @@ OPTIMIZER_SETTINGS = {
     "b1": ("adamw", "lion"),
     "b2": ("adamw", "lion"),
     "eps": ("adamw",),
+    "mu_dtype": ("adamw", "lion"),
     "momentum": ("sgd",),
     "nesterov": ("sgd",),
     "decay_rate": ("adafactor",),
@@ -150,6 +151,12 @@ class TrainConfig:
     b1: float | None = _f(None, "first-moment decay of adamw/lion; default: optax's (0.9, 0.9)")
     b2: float | None = _f(None, "second-moment decay of adamw/lion; default: 0.999, 0.99")
     eps: float | None = _f(None, "adamw's epsilon; default: 1e-8")
+    mu_dtype: str | None = _f(
+        None,
+        "dtype of adamw's and lion's first moment: float32 (default) or bfloat16, half its "
+        "memory and traffic; adamw's second moment stays float32 (its 1 - b2 steps are below "
+        "bfloat16's precision)",
+    )
     momentum: float | None = _f(None, "sgd's momentum; default 0.9, 0 = plain SGD")
     nesterov: bool = _f(False, "sgd: Nesterov momentum")
     decay_rate: float | None = _f(None, "adafactor's second-moment decay exponent; default 0.8")
@@ -330,6 +337,8 @@ class TrainConfig:
             value = getattr(self, name)
             if value is not None and not 0.0 <= value < 1.0:
                 raise ConfigError(f"{name}: must be in [0, 1), got {value}")
+        if self.mu_dtype is not None and self.mu_dtype not in DTYPES:
+            raise ConfigError(f"mu_dtype: {self.mu_dtype!r} is not one of {', '.join(DTYPES)}")
         if self.eps is not None and self.eps <= 0:
             raise ConfigError(f"eps: must be positive, got {self.eps}")
         if self.decay_rate is not None and not 0.0 < self.decay_rate <= 1.0:

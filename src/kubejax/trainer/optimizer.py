@@ -42,6 +42,8 @@ def base_optimizer(cfg: TrainConfig, learning_rate, weight_decay) -> optax.Gradi
     """The optimizer itself, by name, with the weight-decay mask; settings left unset take
     optax's defaults."""
     given = {k: getattr(cfg, k) for k in ("b1", "b2", "eps") if getattr(cfg, k) is not None}
+    if cfg.mu_dtype is not None:
+        given["mu_dtype"] = jnp.dtype(cfg.mu_dtype)
     if cfg.optimizer == "adamw":
         return optax.adamw(learning_rate, weight_decay=weight_decay, mask=decay_mask, **given)
     if cfg.optimizer == "lion":

@@ -225,7 +225,7 @@ def plan_memory(
         params=held,
         # The accumulation's running sum beside each micro-batch's gradients.
         grads=trained * (2 if cfg.grad_accum_steps > 1 else 1),
-        optimizer=sum(_moment_elements(cfg, e, mx) * 4 for e, mx in trains),
+        optimizer=sum(_moment_bytes(cfg, e, mx) for e, mx in trains),
         activations=_activations(
             cfg, model_cfg, sizes, micro, attention_of(cfg, model_cfg, platform), platform
         )
@@ -298,16 +298,18 @@ def _shard_counts(params, sizes: dict[str, int]) -> list[int]:
     return counts
 
 
-def _moment_elements(cfg: TrainConfig, elements: int, matrix: bool) -> int:
-    """float32 values the optimizer keeps for a parameter shard of `elements`."""
+def _moment_bytes(cfg: TrainConfig, elements: int, matrix: bool) -> int:
+    """Bytes the optimizer keeps for a parameter shard of `elements`: float32 moments, the
+    first one in `mu_dtype` where set."""
+    mu = elements * (2 if cfg.mu_dtype == "bfloat16" else 4)
     if cfg.optimizer == "adamw":
-        return 2 * elements
+        return mu + 4 * elements
     if cfg.optimizer == "lion":
-        return elements
+        return mu
     if cfg.optimizer == "sgd":
-        return 0 if cfg.momentum == 0 else elements
+        return 0 if cfg.momentum == 0 else 4 * elements
     # Adafactor: a matrix's row and column statistics (≈ 2·√elements), a vector's own.
-    return 2 * math.isqrt(elements) if matrix else elements
+    return 4 * (2 * math.isqrt(elements) if matrix else elements)
 
 
 def attention_of(cfg: TrainConfig, model_cfg, platform: str) -> attention.Spec:
