@@ -262,8 +262,9 @@ def op_table(trace_dir: str, steps: int = 3, top: int = 45) -> str:
                 count[event.name] += 1
                 category = str(stats.get("hlo_category", "?"))
                 by_category[category] += event.duration_ns
-                by_kind[op_kind(event.name)] += event.duration_ns
-                kind_ops[op_kind(event.name)] += 1
+                kind = op_kind(event.name)
+                by_kind[kind] += event.duration_ns
+                kind_ops[kind] += 1
                 if event.name not in info:
                     info[event.name] = (
                         category,

@@ -332,7 +332,8 @@ def shares_product(projections: tuple[Linear, ...], keys: list[jax.Array | None]
     adapters = [p.lora_a is not None for p in projections]
     mesh = jax.sharding.get_abstract_mesh()
     return (
-        (SIDE_BY_SIDE_ON_CPU or jax.default_backend() != "cpu")
+        SIDE_BY_SIDE
+        and (SIDE_BY_SIDE_ON_CPU or jax.default_backend() != "cpu")
         and min(p.shape[1] for p in projections) < NARROW
         and (mesh.empty or mesh.shape.get("tensor", 1) == 1)
         and len({p.dtype for p in projections}) == 1
@@ -462,13 +463,11 @@ class Attention(nnx.Module):
             else jnp.take_along_axis(tokens.positions, queries, axis=1)
         )
         heads = ("batch", None, "heads", None)
-        if queries is None and SIDE_BY_SIDE:
+        if queries is None:
             q, k, v = side_by_side((self.q_proj, self.k_proj, self.v_proj), x, [kq, kk, kv])
-        elif SIDE_BY_SIDE:
+        else:
             q = self.q_proj(q_in, kq)
             k, v = side_by_side((self.k_proj, self.v_proj), x, [kk, kv])
-        else:
-            q, k, v = self.q_proj(q_in, kq), self.k_proj(x, kk), self.v_proj(x, kv)
         q = constrain(q.reshape(b, q_in.shape[1], self.heads, self.head_dim), *heads)
         k = constrain(k.reshape(b, n, self.kv_heads, self.head_dim), *heads)
         v = constrain(v.reshape(b, n, self.kv_heads, self.head_dim), *heads)
