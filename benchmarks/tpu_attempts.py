@@ -26,6 +26,7 @@ import sys
 import tempfile
 import time
 from collections import defaultdict
+from functools import partial
 from pathlib import Path
 from unittest import mock
 
@@ -79,17 +80,19 @@ def _nocond(stack: contextlib.ExitStack) -> None:
     stack.enter_context(mock.patch.object(decoder.DecoderClassifier, "__call__", call))
 
 
-def _lm_every_token(stack: contextlib.ExitStack) -> None:
+def _lm_every_token(stack: contextlib.ExitStack, whole: bool = False) -> None:
     """The peers' work (`bench_tpu_peers.py`, `bench_tpu_keras.py`): a causal LM's loss over
     every token of the row, each token's next one the target, through the tied vocabulary head
-    (the embedding table) with the logits [rows, length, vocab] in float32, as Tunix and
-    keras-hub compute it; the classifier's head takes no part. The same decoder, attention,
-    remat and optimizer as the case's."""
+    (the embedding table) with float32 logits, as Tunix and keras-hub compute it; the
+    classifier's head takes no part. The same decoder, attention, remat and optimizer as the
+    case's. The head runs as the trainer's causal-LM loss runs it, a vocabulary chunk at a
+    time (`chunked_head.log_probs`); `whole`: the logits [rows, length, vocab] at once,
+    as before (`lm-every-token-whole`)."""
     import jax.numpy as jnp
     import optax
     from flax import nnx
 
-    from kubejax.models import decoder
+    from kubejax.models import chunked_head, decoder
     from kubejax.models.kernels import product
     from kubejax.trainer import steps
 
@@ -99,9 +102,14 @@ def _lm_every_token(stack: contextlib.ExitStack) -> None:
         ids = batch["input_ids"]
         tokens = decoder.tokens_of(batch["attention_mask"], None)
         hidden = model.model(ids, tokens, None, None)  # every token's
-        table = model.model.embed_tokens.embedding[...].astype(hidden.dtype)
-        logits = product(hidden[:, :-1], table.T).astype(jnp.float32)
-        ce = optax.softmax_cross_entropy_with_integer_labels(logits, ids[:, 1:])
+        if whole:
+            table = model.model.embed_tokens.embedding[...].astype(hidden.dtype)
+            logits = product(hidden[:, :-1], table.T).astype(jnp.float32)
+            ce = optax.softmax_cross_entropy_with_integer_labels(logits, ids[:, 1:])
+        else:  # the classifier's tied table, through the causal LM's chunked head
+            table = model.model.embed_tokens.embedding[...]
+            cap = model.config.final_logit_softcapping
+            ce = -chunked_head.log_probs(hidden[:, :-1], table, ids[:, 1:], cap)[0]
         w = (batch["attention_mask"][:, 1:] > 0).astype(jnp.float32)
         # This micro-batch's share of the step's mean (`totals`: the step's reviews, a row each).
         share = 1.0 if totals is None else ids.shape[0] / totals[1]
@@ -180,6 +188,7 @@ PATCHES = {
     "unroll3": _decoder_attribute("scan_unroll", 3),
     "unroll4": _decoder_attribute("scan_unroll", 4),
     "lm-every-token": _lm_every_token,
+    "lm-every-token-whole": partial(_lm_every_token, whole=True),
     "apart": _apart,
 }
 
@@ -338,7 +347,8 @@ def attempt(
             first_step_s=round(final.get("first_step_s") or 0.0, 1),
             step_program_gib=round((final.get("step_program_bytes") or 0) / 2**30, 2),
         )
-        if "lm-every-token" in variants:  # the peers' count: their vocabulary head besides
+        if {"lm-every-token", "lm-every-token-whole"} & set(variants):
+            # The peers' count: their vocabulary head besides.
             head = (4 if case.lora else 6) * case.model["vocab_size"] * case.model["hidden_size"]
             row["mfu_incl_lm_head"] = round(
                 (flops + head * tokens) / 1e12 / bench_tpu.PEAK_TFLOPS, 3

@@ -20,7 +20,7 @@ def evaluate(
     mlflow_experiment: str = "kubejax",
     split: str = "test",
     batch_size: int = 64,
-    dtype: str = "float32",
+    dtype: str = "auto",
     log_model: bool = True,
 ) -> float:
     """Evaluate a trained model on the dataset's test split.
@@ -39,8 +39,9 @@ def evaluate(
         mlflow_experiment: Experiment for a new run.
         split: The split to evaluate.
         batch_size: Examples per inference batch.
-        dtype: Compute dtype, `float32` or `bfloat16` (bfloat16 products summed in float32:
-            faster where the hardware has them; a near-tie prediction may turn).
+        dtype: Compute dtype, `float32`, `bfloat16` (bfloat16 products summed in float32:
+            faster where the hardware has them; a near-tie prediction may turn) or `auto`
+            (bfloat16 where the device multiplies it natively, else float32).
         log_model: Log the model as an MLflow pyfunc model.
 
     Returns:

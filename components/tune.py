@@ -96,10 +96,14 @@ def tune_sweep(
         direction: maximize or minimize.
         tuner: optuna (the study runs in this step), katib (a Katib Experiment of the same
             trial jobs, watched in the Kubeflow dashboard; it outlives the step, which
-            re-attaches to it after a retry and deletes it when the run is cancelled) or ray
-            (Ray Tune in this step, for its ASHA and PBT schedulers).
+            re-attaches to it after a retry and deletes it when the run is cancelled; Katib is
+            deprecated upstream in favour of OptimizationJob), ray (Ray Tune in this step, for
+            its ASHA and PBT schedulers) or optimizationjob (a Kubeflow Trainer OptimizationJob
+            of the same TrainJobs, re-attached and deleted as Katib's; random or grid, pruner
+            none, at most 100 trials; needs Trainer's OptimizationJob controller).
         algorithm: grid, random, tpe or cmaes; with katib also multivariate-tpe,
-            bayesianoptimization or hyperband (with an int max_steps dimension).
+            bayesianoptimization or hyperband (with an int max_steps dimension); with
+            optimizationjob random or grid only.
         max_trials: Trials in the study in all (a retried task counts the earlier ones).
         parallelism: Trials running at once.
         max_workers: Workers all running trials may use together; a trial that would exceed

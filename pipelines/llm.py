@@ -5,7 +5,7 @@ settings, which the final training keeps unless a trial beats them beyond the ev
 noise; trials the memory plan says cannot fit are skipped) → train with the chosen settings
 (LoRA on a frozen base, sharded over the workers' GPUs) → evaluate → register the merged
 model. The same components as the Yelp pipelines: a pipeline of its own because every default
-differs (a decoder base, the task causal-lm, LoRA, bfloat16 weights, GPU workers with an FSDP
+differs (a decoder base, the task causal-lm, LoRA, the machine's precision, GPU workers with an FSDP
 mesh, a search space over what matters for adapters), and a user of the BERT pipeline should
 not meet a dozen settings that do nothing for BERT. Defaults suit a cluster; `kubejax run
 --local` overrides them for this machine. On TPUs (`accelerator`, `tpu_topology`,
@@ -33,14 +33,16 @@ LLM_SPACE = json.dumps(
         "lora_alpha": {"type": "categorical", "choices": [16, 32, 64]},
     }
 )
-#: bfloat16 weights and compute; the adapters and their moments stay float32.
+#: The machine's precision (`kubejax.trainer.precision`): bfloat16 weights and compute where the
+#: device multiplies bfloat16 natively (GPUs from Ampere, TPUs, CPUs with AMX), else float32;
+#: the adapters and their moments stay float32.
 LLM_TRIAL_HP = {
     "max_steps": 300,
     "eval_every": 100,
     "global_batch_size": 16,
     "max_eval_examples": 1000,
-    "dtype": "bfloat16",
-    "param_dtype": "bfloat16",
+    "dtype": "auto",
+    "param_dtype": "auto",
 }
 LLM_TRAIN_HP = {
     "epochs": 1,
@@ -49,8 +51,8 @@ LLM_TRAIN_HP = {
     "eval_every": 1000,
     "checkpoint_every": 1000,
     "max_eval_examples": 2000,
-    "dtype": "bfloat16",
-    "param_dtype": "bfloat16",
+    "dtype": "auto",
+    "param_dtype": "auto",
 }
 
 
@@ -137,11 +139,13 @@ def llm_pipeline(
             lora_alpha, lora_targets, optimizer, ...) and resources (`replicas`,
             `devices_per_worker`); trials whose memory plan does not fit are skipped.
         tuner: optuna (the study runs in the sweep step), katib (a Katib Experiment of the
-            same trial jobs; needs Katib ≥ 0.19 on the cluster) or ray (Ray Tune in the sweep
-            step, for its schedulers).
+            same trial jobs; needs Katib ≥ 0.19 on the cluster; deprecated upstream in favour
+            of OptimizationJob), ray (Ray Tune in the sweep step, for its schedulers) or
+            optimizationjob (a Kubeflow Trainer OptimizationJob of the same TrainJobs: random
+            or grid, pruner none, at most 100 trials).
         scheduler: tuner ray: none, asha or pbt (PBT mutates the learning rate).
         algorithm: grid, random, tpe or cmaes; with katib also multivariate-tpe,
-            bayesianoptimization or hyperband.
+            bayesianoptimization or hyperband; with optimizationjob random or grid.
         objective: eval_accuracy or eval_loss.
         direction: maximize (eval_accuracy) or minimize (eval_loss).
         max_trials: Trials in the sweep.

@@ -40,7 +40,7 @@ DEFAULT_TRIAL_HP = {
     "eval_every": 200,
     "global_batch_size": 32,
     "max_eval_examples": 2000,
-    "dtype": "bfloat16",
+    "dtype": "auto",
 }
 DEFAULT_TRAIN_HP = {
     "epochs": 2,
@@ -49,7 +49,7 @@ DEFAULT_TRAIN_HP = {
     "eval_every": 2000,
     "checkpoint_every": 1000,
     "max_eval_examples": 5000,
-    "dtype": "bfloat16",
+    "dtype": "auto",
 }
 #: Worker placement defaults: any node, no toleration (pipeline parameters only read them).
 ANY_NODE: dict = {}
@@ -230,11 +230,13 @@ def yelp_pipeline(
             global_batch_size, ...) and `replicas` (workers per trial); "when" makes a
             dimension conditional.
         tuner: optuna (the study runs in the sweep step), katib (a Katib Experiment of the
-            same trial jobs; needs Katib ≥ 0.19 on the cluster) or ray (Ray Tune in the sweep
-            step, for its schedulers).
+            same trial jobs; needs Katib ≥ 0.19 on the cluster; deprecated upstream in favour
+            of OptimizationJob), ray (Ray Tune in the sweep step, for its schedulers) or
+            optimizationjob (a Kubeflow Trainer OptimizationJob of the same TrainJobs: random
+            or grid, pruner none, at most 100 trials).
         scheduler: tuner ray: none, asha or pbt (PBT mutates the learning rate).
         algorithm: grid, random, tpe or cmaes; with katib also multivariate-tpe,
-            bayesianoptimization or hyperband.
+            bayesianoptimization or hyperband; with optimizationjob random or grid.
         objective: eval_accuracy or eval_loss.
         direction: maximize (eval_accuracy) or minimize (eval_loss).
         max_trials: Trials in the sweep.

@@ -15,6 +15,10 @@ from tests.helpers import free_port, tiny_args
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "true")
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+# dtype `auto` takes bfloat16 on CPUs with AMX or AVX512_BF16 and float32 elsewhere; CI's CPU
+# changes between runs, so the suite pins it to float32 (its tolerances are float32's) and the
+# tests of the rule itself (tests/trainer/test_precision.py) lift the pin.
+os.environ["KUBEJAX_AUTO_DTYPE"] = "float32"
 # One JAX persistent compilation cache for the whole run, in this process (JAX reads it when
 # first imported, after this file) and in every trainer process the tests start: the tests
 # compile the tiny model's same programs again and again, 5-6 s a process without it. It is
@@ -39,29 +43,60 @@ if "xla_backend_optimization_level" not in os.environ.get("XLA_FLAGS", ""):
 _EXIT_STATUS: list[int] = []
 
 
+#: Fixtures that make a test `slow` (`make test-fast` leaves those out; `make test` runs them):
+#: a server, a trained model, a pipeline run, the local job backend's worker processes (the
+#: `client` of tests/test_tune.py and tests/jobs/test_local.py). Tests that start processes
+#: otherwise carry the mark themselves.
+SLOW_FIXTURES = {"mlflow_server", "trained_tiny", "local_run", "llm_run", "client"}
+#: Modules whose every test compiles models again and again (minutes in all on 2 cores).
+SLOW_MODULES = {"tests/trainer/test_chunked_loss.py"}
+
+
+def pytest_collection_modifyitems(config, items):
+    """Mark `slow` every test that uses one of `SLOW_FIXTURES` or is in `SLOW_MODULES`."""
+    for item in items:
+        module = item.nodeid.split("::", 1)[0]
+        if module in SLOW_MODULES or SLOW_FIXTURES & set(getattr(item, "fixturenames", ())):
+            item.add_marker(pytest.mark.slow)
+
+
+#: Session fixtures whose set-up is a server or a run of its own: every module that uses one
+#: goes to the same test process under pytest-xdist, so it is set up once, not once a process.
+SHARED_SET_UP = {"mlflow_server": "the MLflow server"}
+
+
+def xdist_scope(path: Path) -> str | None:
+    """The unit of work a test module is under pytest-xdist: a group of `SHARED_SET_UP` (the
+    modules using its fixture), the module itself when it defines a module-scoped fixture (one
+    process runs it once), or None (each test to whichever process is free)."""
+    if not (path.is_file() and path.name.startswith("test_")):
+        return None
+    text = path.read_text()
+    for fixture, group in SHARED_SET_UP.items():
+        if fixture in text:
+            return group
+    return str(path) if 'scope="module"' in text else None
+
+
 @pytest.hookimpl(optionalhook=True)
 def pytest_xdist_make_scheduler(config, log):
     """Under pytest-xdist (make test: `-n 2`), each test goes to whichever process is free,
-    except that a module defining a module-scoped fixture goes whole to one process, so the
-    fixture runs once (the local pipelines' two runs, the sharded runs); those modules start
+    except the units of `xdist_scope`, each whole to one process, so that their fixtures run
+    once (the local pipelines' two runs, the sharded runs, the MLflow server); the units start
     first, the most tests first. (xdist's own `loadgroup` marks do not group under pytest 9.2,
     whose node ids xdist can no longer suffix.)"""
     from xdist.scheduler import LoadScopeScheduling
 
     if config.getvalue("dist") != "load":
         return None
-    together: dict[str, bool] = {}
-
-    def one_process(module: str) -> bool:
-        if module not in together:
-            path = config.rootpath / module
-            together[module] = path.is_file() and 'scope="module"' in path.read_text()
-        return together[module]
+    scopes: dict[str, str | None] = {}
 
     class Scheduling(LoadScopeScheduling):
         def _split_scope(self, nodeid: str) -> str:
             module = nodeid.split("::", 1)[0]
-            return module if one_process(module) else nodeid
+            if module not in scopes:
+                scopes[module] = xdist_scope(config.rootpath / module)
+            return scopes[module] or nodeid
 
     return Scheduling(config, log)
 
@@ -196,8 +231,16 @@ class MlflowServer:
         cmd += ["--port", str(self.port), "--workers", "1"]
         cmd += ["--backend-store-uri", f"sqlite:///{self.root / 'mlflow.db'}"]
         cmd += ["--artifacts-destination", str(self.root / "artifacts")]
+        # Without MLflow's job runner (GenAI jobs, which no test asks for): it starts eight
+        # consumer processes beside the server, each importing MLflow (a start's processes
+        # took 30.5 s of CPU with it, 13.7 s without, on the 2 loaded cores here).
+        env = {**os.environ, "MLFLOW_SERVER_ENABLE_JOB_EXECUTION": "false"}
         self.proc = subprocess.Popen(
-            cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True
+            cmd,
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.DEVNULL,
+            start_new_session=True,
+            env=env,
         )
         deadline = time.monotonic() + timeout
         while True:

@@ -6,6 +6,10 @@ accuracy is w (so a larger learning rate, up to 1, is better). It evaluates and 
 (`checkpoints/<step>/state.json`) every --eval-every steps, resumes from the newest checkpoint
 in its output folder with its own --learning-rate (as the trainer does on resume), and keeps
 metrics.json (train rows with the learning rate, evals) as the trainer writes it.
+
+With --gate DIR each evaluation waits, before it is written, for the test to release it:
+the program says `<output folder's name>@<step>.ready` in DIR and writes the evaluation once
+`<...>@<step>.go` is there (tests/test_ray_tune.py fixes the order results reach the scheduler).
 """
 
 import argparse
@@ -20,6 +24,7 @@ p.add_argument("--learning-rate", type=float, required=True)
 p.add_argument("--steps", type=int, default=12)
 p.add_argument("--eval-every", type=int, default=2)
 p.add_argument("--sleep", type=float, default=0.05)
+p.add_argument("--gate", default="")
 a = p.parse_args()
 out = Path(a.output_dir)
 out.mkdir(parents=True, exist_ok=True)
@@ -50,6 +55,10 @@ for step in range(start + 1, a.steps + 1):
         folder = out / "checkpoints" / str(step)
         folder.mkdir(parents=True, exist_ok=True)
         (folder / "state.json").write_text(json.dumps({"w": w, "step": step}))
+        if a.gate:
+            (Path(a.gate) / f"{out.name}@{step}.ready").touch()
+            while not (Path(a.gate) / f"{out.name}@{step}.go").exists():
+                time.sleep(0.01)
         evals.append({"step": step, "eval_accuracy": w, "eval_loss": 1 - w})
         write("running", step)
 write("completed", a.steps)

@@ -112,6 +112,11 @@ CASES = [
     ("attention-cudnn-without-a-gpu", "trainer", _trainer(model="scratch", scratch_config=DECODER, tokenizer=lambda f: f.model, attention="cudnn"), r"attention: cudnn runs on NVIDIA GPUs only"),
     ("attention-block-not-dividing", "trainer", _trainer(model="scratch", scratch_config=DECODER, tokenizer=lambda f: f.model, attention="chunked", attention_block=48, max_length=64), r"attention_block: 48 does not divide max_length 64"),
     ("attention-splash-on-bert", "trainer", _trainer(attention="splash"), r"attention: splash applies to decoder models"),
+    ("grad-accum-not-dividing", "trainer", _trainer(global_batch_size=8, grad_accum_steps=3), r"grad_accum_steps: 3 does not divide global_batch_size 8 \(a count of micro-batches dividing it, or auto\)"),
+    ("grad-accum-not-a-count", "trainer", _trainer(grad_accum_steps="two"), r"grad_accum_steps: 'two' is neither a count of micro-batches nor auto"),
+    ("grad-accum-not-dividing-a-device-share", "cli", _cli("render", "--replicas", "2", "--", "--model", "m", "--global-batch-size", "8", "--grad-accum-steps", "8"), r"grad_accum_steps: 8 does not divide the per-device batch of 4 \(global_batch_size 8 over 2 devices\); use 1, 2, 4 or auto"),
+    ("remat-unknown", "trainer", _trainer(remat="some"), r"remat: 'some' is not one of none, minimal, full, auto"),
+    ("remat-on-bert", "trainer", _trainer(remat="full"), r"remat: 'full' applies to decoder models; BERT trains without"),
     ("output-under-a-file", "trainer", _trainer(output_dir=lambda f: _write(f.tmp / "f", "mine") / "out"), r"output_dir"),
     # the sweep
     ("space-not-json", "cli", _tune("{learning_rate"), r"space"),
@@ -242,6 +247,7 @@ def test_paths_with_spaces_and_unicode_are_accepted(tmp_path, tiny_model_dir):
     assert json.loads((out / "metadata.json").read_text())["splits"]["train"]["rows"] > 0
 
 
+@pytest.mark.slow
 def test_a_ten_megabyte_review_is_truncated_not_refused(tmp_path, tiny_model_dir):
     huge = "great food " * (10 * 2**20 // 11)
     source = _write(tmp_path / "in.csv", GOOD_CSV + f'"{huge}",4\n')

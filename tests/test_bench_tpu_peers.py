@@ -142,6 +142,7 @@ def _run(tmp_path: Path, stub: str, *args: str) -> subprocess.CompletedProcess:
     )  # fmt: skip
 
 
+@pytest.mark.slow
 def test_out_of_memory_is_retried_with_the_next_setting_and_recorded(tmp_path):
     stub = "raise RuntimeError('RESOURCE_EXHAUSTED: Ran out of memory on HBM (stand-in)')\n"
     run = _run(tmp_path, stub, "--cases", "qwen25-05b-full", "--min-retry-s", "0", "--no-peak")
@@ -157,6 +158,7 @@ def test_out_of_memory_is_retried_with_the_next_setting_and_recorded(tmp_path):
     assert "**oom**" in (tmp_path / "out" / "tunix-results.md").read_text()
 
 
+@pytest.mark.slow
 def test_other_failures_and_crashes_are_recorded_and_the_run_goes_on(tmp_path):
     # The first case's process raises, the second's dies without a word: both recorded, once.
     stub = (

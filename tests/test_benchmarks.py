@@ -22,6 +22,7 @@ ROOT = Path(__file__).parents[1]
 BENCH_GPU = ROOT / "benchmarks" / "bench_gpu.py"
 
 
+@pytest.mark.slow
 def test_the_gpu_benchmark_smoke_run_measures_both_sides_on_cpu(tmp_path, minilm_dir):
     """bert-base's case, the decoder's (tiny Llama) case and LoRA's (tiny Qwen, PEFT on
     the peer's side), each side measured."""
@@ -71,6 +72,7 @@ def test_the_gpu_benchmark_smoke_run_measures_both_sides_on_cpu(tmp_path, minilm
     assert f"LoRA against transformers + PEFT at 128: {result['lora_seq128']['vs_torch']}×" in table
 
 
+@pytest.mark.slow
 def test_the_gpu_benchmark_without_a_gpu_says_so_and_writes_nothing(tmp_path):
     run = subprocess.run(
         [sys.executable, str(BENCH_GPU), "--out", str(tmp_path)],
@@ -171,6 +173,7 @@ def test_qloras_figures_set_it_against_loras_run_of_the_same_settings():
 BENCH_STEP = ROOT / "benchmarks" / "bench_step.py"
 
 
+@pytest.mark.slow
 def test_the_step_benchmark_times_steps_in_the_jobs_environment(tmp_path, tiny_model_dir):
     # Started without the jobs' malloc setting, it re-executes itself with it, and says so.
     env = {k: v for k, v in os.environ.items() if k != "GLIBC_TUNABLES"}
@@ -203,6 +206,7 @@ def test_the_step_benchmark_refuses_a_step_count_below_one(tmp_path):
     assert run.stdout == ""
 
 
+@pytest.mark.slow
 def test_the_gpu_benchmark_prepares_2048_tokens_with_minilms_tokenizer(tmp_path, minilm_dir):
     """The decoder case's 2,048-token rows: MiniLM's model has 512 positions, which its
     tokenizer folder's config would impose on the preparation (it stopped bench/gpu.sh before

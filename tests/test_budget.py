@@ -89,6 +89,7 @@ def test_the_machine_is_measured_now():
     assert "float32 matmul measured now" in machine.describe()
 
 
+@pytest.mark.slow
 def test_a_local_llm_plan_sizes_the_sweep_before_anything_runs(tmp_path, tiny_decoder_dir):
     """On the embedded synthetic data and a tiny decoder: every step costed, the trials sized
     (the profile's count and length replaced), a user's own trials left as given."""
@@ -113,13 +114,58 @@ def test_a_local_llm_plan_sizes_the_sweep_before_anything_runs(tmp_path, tiny_de
     sized = plan.args["trial_hyperparameters"]
     assert plan.args["max_trials"] >= 2 and 2 <= sized["max_steps"] <= 67
     assert sized["max_eval_examples"] == 50 and sized["eval_every"] == -(-sized["max_steps"] // 2)
-    assert any("the sweep:" in line and "sweep_budget_share 0.4" in line for line in plan.lines)
+    assert any("the sweep:" in line and "sweep_budget_share 0.3" in line for line in plan.lines)
     given = plan_llm_run(args, dict(RUN_SETTINGS), {"max_trials"}, "sig")
     assert given.args["max_trials"] == 4 and given.args["trial_hyperparameters"]["max_steps"] == 12
     assert "as given" in given.budget.notes["sweep"]
+    # A user's trial keys that size nothing (a dtype) leave the sweep sized; a length does not.
+    dtype_only = {"trial_hyperparameters", "trial_hyperparameters.dtype"}
+    assert "as given" not in plan_llm_run(args, dict(RUN_SETTINGS), dtype_only,
+                                          "sig").budget.notes["sweep"]  # fmt: skip
+    steps = {"trial_hyperparameters", "trial_hyperparameters.max_steps"}
+    assert "as given" in plan_llm_run(args, dict(RUN_SETTINGS), steps, "sig").budget.notes["sweep"]
     hub = plan_llm_run({**args, "base_model": "Qwen/Qwen2.5-0.5B"}, dict(RUN_SETTINGS), set(), "s")
     assert hub.budget is None and hub.lines[0].startswith("no budget: base_model")
     assert json.dumps(plan.args)  # the pipeline takes them as they are
+
+
+@pytest.mark.slow
+def test_a_plans_prediction_is_the_arithmetic_of_the_given_speeds(
+    tmp_path, monkeypatch, tiny_decoder_dir
+):
+    """The budget's accuracy against a run's wall is a benchmark figure (bench/llm-hpo.sh), not
+    a test: here the plan is the arithmetic of the speed it is given. Each step that computes
+    (the sweep, the final training, the evaluation) is its fixed costs plus its FLOPs over the
+    speed, so doubling the speed halves the part above the fixed costs; the steps that do not
+    compute are their constants; the total is their sum."""
+    from kubejax.data.synthetic import write_yelp_dir
+    from kubejax.local_run import RUN_SETTINGS, plan_llm_run
+
+    source = tmp_path / "reviews"
+    write_yelp_dir(source, 600, 100, seed=0)
+    args = {"source": str(source), "base_model": str(tiny_decoder_dir), "max_length": 64,
+            "max_validation_samples": 50, "max_trials": 3, "parallelism": 2, "replicas": 1,
+            "trial_replicas": 1, "task": "causal-lm",
+            "trial_hyperparameters": {"max_steps": 12, "eval_every": 6, "global_batch_size": 8},
+            "train_hyperparameters": {"epochs": 1, "global_batch_size": 8,
+                                      "eval_every": 20}}  # fmt: skip
+    steps = {}
+    for gflops in (100.0, 200.0, 400.0):
+        given = b.Machine("float32", gflops, 0.0, 2)
+        monkeypatch.setattr(b, "measure_machine", lambda *_, _m=given, **__: _m)
+        plan = plan_llm_run(args, dict(RUN_SETTINGS), {"max_trials", "trial_hyperparameters"},
+                            f"sig-{gflops}")  # fmt: skip
+        assert plan.budget.total == pytest.approx(sum(plan.budget.steps.values()))
+        assert f"float32 matmul measured now {gflops:.0f} GFLOP/s" in plan.lines[0]
+        steps[gflops] = plan.budget.steps
+    rows = 540 + 50 + 100  # train (10 % carved out for validation, capped at 50), test
+    for speed in steps.values():
+        assert speed["prepare"] == pytest.approx(b.prepare_seconds(rows))
+        assert speed["register"] == b.TASK_START_S
+    for step in ("sweep", "final training", "evaluation"):
+        slow, mid, fast = (steps[g][step] for g in (100.0, 200.0, 400.0))
+        assert slow > mid > fast > 0, step
+        assert slow - mid == pytest.approx(2 * (mid - fast), rel=1e-9), step
 
 
 def test_a_finished_run_is_remembered_as_compiled(tmp_path):
@@ -128,3 +174,22 @@ def test_a_finished_run_is_remembered_as_compiled(tmp_path):
     assert first != other and len(first) == 16 and not b.compiled_before(first, memory)
     b.remember_run(first, memory)
     assert b.compiled_before(first, memory) and not b.compiled_before(other, memory)
+
+
+def test_the_summary_sets_each_steps_budget_beside_what_it_took():
+    from kubejax.local_run import budget_said, measured_phases
+
+    tasks = [{"task": "prepare-yelp", "seconds": 2.04}, {"task": "tune-sweep", "seconds": 90.0},
+             {"task": "train", "seconds": 150.2}, {"task": "evaluate", "seconds": 20.0},
+             {"task": "register-model", "seconds": None}]  # fmt: skip
+    measured = measured_phases(tasks)
+    assert measured == {"prepare": 2.0, "sweep": 90.0, "final training": 150.2,
+                        "evaluation": 20.0}  # fmt: skip
+    predicted = {"prepare": 3, "sweep": 100, "final training": 140, "evaluation": 25,
+                 "register": 2}  # fmt: skip
+    said = budget_said({"predicted": predicted, "predicted_total": 270, "measured": measured,
+                        "measured_total": 265})  # fmt: skip
+    assert said == (
+        "budget against the run (predicted/measured): total 270/265 s; prepare 3/2 s, "
+        "sweep 100/90 s, final training 140/150 s, evaluation 25/20 s"
+    )

@@ -130,6 +130,7 @@ def test_the_kfp_api_server_gets_a_default_workspace_claim():
     assert "plugins" not in config
 
 
+@pytest.mark.slow
 def test_the_jax_distributed_runtime_validates_against_its_crd():
     crd = yaml.safe_load((DATA / "trainer.kubeflow.org_clustertrainingruntimes.yaml").read_text())
     schema = crd["spec"]["versions"][0]["schema"]["openAPIV3Schema"]
@@ -165,6 +166,7 @@ def test_the_tpu_kueue_flavors_match_the_slices_kubejax_asks_for():
     assert local["metadata"]["name"] != "kubejax"  # kind's queue keeps its name
 
 
+@pytest.mark.slow
 def test_the_jax_tpu_runtime_validates_against_its_crd_and_mirrors_jax_distributed():
     """kubejax's TPU runtime: valid against Trainer v2.3.0's CRD, Trainer's JAX plugin and job
     shape as jax-distributed's (what the TrainJob's patches and the trainer's environment

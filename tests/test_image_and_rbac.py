@@ -7,6 +7,7 @@ import re
 import tomllib
 from pathlib import Path
 
+import pytest
 import yaml
 from packaging.specifiers import SpecifierSet
 from packaging.version import Version
@@ -68,6 +69,7 @@ def test_image_runs_as_non_root_on_a_pinned_base_and_tag_follows_the_version():
     assert f"image: {IMAGE}" in compiled
 
 
+@pytest.mark.slow
 def test_the_wheel_holds_every_module_and_the_compiled_pipelines(tmp_path):
     """What the image installs (`pip install .`, not editable): every module of the source
     tree, and the compiled YAMLs that `kubejax submit` uploads."""
@@ -103,7 +105,8 @@ def test_the_wheel_holds_every_module_and_the_compiled_pipelines(tmp_path):
 #: Discovery (/apis/<group>/<version>) is open to every authenticated user (system:discovery).
 _DISCOVERY = ("/apis/kubeflow.org/v1", "/apis/trainer.kubeflow.org/v1alpha1")
 _RESOURCES = (
-    "jaxjobs", "trainjobs", "clustertrainingruntimes", "workloads", "experiments", "trials", "pods"
+    "jaxjobs", "optimizationjobs", "trainjobs", "clustertrainingruntimes", "workloads",
+    "experiments", "trials", "pods"
 )  # fmt: skip
 
 
@@ -208,9 +211,42 @@ def _katib_requests(tmp_path) -> set[tuple[str, str]]:
         return {v for m, p in fake.requests if (v := _verb(m, p)) is not None}
 
 
+def _optimizationjob_requests(tmp_path) -> set[tuple[str, str]]:
+    """The (resource, verb) pairs of a sweep run as an OptimizationJob, re-attached, cancelled."""
+    from kubejax import tracking
+    from kubejax.launchers.optimizationjob import sweep_with_optimizationjob
+    from kubejax.launchers.sweep import trainer_trial_spec
+    from kubejax.tune import SweepConfig
+    from kubejax.tune.optimizationjob import OptimizationRun
+
+    space = {"learning_rate": {"type": "float", "low": 1e-5, "high": 1e-3}}
+    cfg = SweepConfig(space=space, tuner="optimizationjob", algorithm="random", pruner="none",
+                      study_name="sweep-a", poll_seconds=0.05,
+                      defaults={"learning_rate": 1e-4})  # fmt: skip
+    factory = trainer_trial_spec(
+        image="i", replicas=1, data_dir="/d", hyperparameters={"model": "m"}
+    )
+    done = {"conditions": [{"type": "Complete", "status": "True"}]}
+    with FakeKubernetes(served=("trainjob",), optimization_script=[{}, done]) as fake:
+        fake.on_job = lambda tj: tj.update(status=done)
+        client = JAXJobClient(
+            "kubernetes", namespace="ns", client_configuration=fake.client_configuration()
+        )
+        for _ in range(2):
+            with contextlib.suppress(SweepError):  # no trial posted a metric here
+                sweep_with_optimizationjob(cfg, factory, client, str(tmp_path),
+                                           tracker=tracking.Tracker(), replicas=1,
+                                           log=lambda _: None)  # fmt: skip
+        OptimizationRun(*client.custom_objects(), "sweep-a").delete()  # a cancelled run's
+        return {v for m, p in fake.requests if (v := _verb(m, p)) is not None}
+
+
+@pytest.mark.slow
 def test_fake_rbac_roles_grant_exactly_what_the_launcher_uses_on_both_engines(tmp_path):
     jaxjob, trainjob = _requests_of("jaxjob"), _requests_of("trainjob")
     assert {r for r, _ in jaxjob} >= {"jaxjobs"} and {r for r, _ in trainjob} >= {"trainjobs"}
     katib = _katib_requests(tmp_path)
     assert {r for r, _ in katib} == {"experiments", "trials"}
-    assert jaxjob | trainjob | katib == _granted()
+    optimization = _optimizationjob_requests(tmp_path)
+    assert {r for r, _ in optimization} == {"optimizationjobs", "trainjobs"}
+    assert jaxjob | trainjob | katib | optimization == _granted()

@@ -70,6 +70,7 @@ def _filled(manifest: dict) -> dict:
     [("trainjob", DATA / "trainer-v2.3.0" / "trainer.kubeflow.org_trainjobs.yaml", "v1alpha1"),
      ("jaxjob", DATA / "kubeflow.org_jaxjobs.yaml", "v1")],
 )  # fmt: skip
+@pytest.mark.slow
 def test_rendered_experiment_passes_katibs_webhook_rules_and_its_trials_their_crd(
     engine, crd, version
 ):
@@ -110,6 +111,21 @@ def test_rendered_experiment_passes_katibs_webhook_rules_and_its_trials_their_cr
     assert cfg_in_pod.mlflow_run_name == "trial-sweep-a-x7k2p9"
     assert job["metadata"]["name"] == "sweep-a-x7k2p9"
     assert json.dumps(job).count("sweep-a-x7k2p9") >= 3  # labels, output, run name, tags
+
+
+def test_the_trial_name_replaces_the_job_name_alone_not_the_study_in_a_path():
+    """Under a pipeline workspace the data and trials folders hold the study's name
+    (`<workspace>/kubejax/<study>/...`): a trial still reads that data and writes under it."""
+    cfg = _cfg()
+    factory = trainer_trial_spec(image="img", replicas=1, data_dir="/ws/kubejax/sweep-a/data",
+                                 hyperparameters={"model": "m", "max_steps": 5},
+                                 parent_run_id="p")  # fmt: skip
+    manifest, _ = trial_job(cfg, factory, "trainjob", "/ws/kubejax/sweep-a/trials")
+    args = _filled(manifest)["spec"]["trainer"]["args"]
+    assert args[args.index("--data-dir") + 1] == "/ws/kubejax/sweep-a/data"
+    out = args[args.index("--output-dir") + 1]
+    assert out == "/ws/kubejax/sweep-a/trials/sweep-a-x7k2p9"
+    assert "kubejax-katib-trial-name" not in json.dumps(manifest)
 
 
 def _valid() -> dict:
@@ -253,6 +269,7 @@ def _trainers(trials_root: Path, tracking_uri: str):
     return on_create
 
 
+@pytest.mark.slow
 def test_fake_katib_sweep_gives_the_optuna_paths_outputs(tmp_path, monkeypatch):
     """Create → running → succeeded: the best params are Katib's optimal trial's, in the
     space's types; the trial table, report and MLflow runs (parent, nested trials tagged with
@@ -309,6 +326,7 @@ def test_fake_katib_sweep_gives_the_optuna_paths_outputs(tmp_path, monkeypatch):
     assert sweep_run.tags["kubejax.sweep_choice"] == "best"
 
 
+@pytest.mark.slow
 def test_the_defaults_trial_is_the_trial_katib_would_make_of_them():
     """The defaults' Trial as Katib's controller builds one from a suggestion: labelled into
     the Experiment, its objective, collector, primary pod and conditions, every placeholder

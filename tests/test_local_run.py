@@ -55,6 +55,7 @@ def test_only_the_demo_profile_caps_the_evaluation(tmp_path):
         assert params["train_hyperparameters"]["max_length"] == params["max_length"]
 
 
+@pytest.mark.slow
 def test_budget_line_says_what_applies(tmp_path):
     demo = describe_budget("demo", embedded_params(tmp_path, "demo"))
     assert demo.startswith("budget: profile demo: max_length 64; 4 trials × 12 steps")
@@ -112,6 +113,7 @@ def test_run_log_shows_a_task_bar_on_a_terminal_only(tmp_path):
     assert "1/5" not in piped.getvalue() and "\r" not in piped.getvalue()
 
 
+@pytest.mark.slow
 def test_the_yelp_pipeline_counts_its_tasks_inside_conditions():
     from kubejax.local_run import task_count
     from pipelines.yelp import train_eval_pipeline, yelp_pipeline
@@ -145,12 +147,36 @@ def test_a_local_llm_run_searches_the_llm_space_with_the_pipelines_lora_defaults
     assert "lora_rank" not in args and "lora_alpha" not in args  # the pipeline's 16 and 32
     train = args["train_hyperparameters"]
     assert train["learning_rate"] == LLM_TRAIN_HP["learning_rate"] == 2e-4
-    assert train["dtype"] == args["trial_hyperparameters"]["dtype"] == "bfloat16"
+    assert train["dtype"] == args["trial_hyperparameters"]["dtype"] == "auto"
     assert train["max_length"] == PROFILES[profile]["max_length"]
     assert "learning_rate" not in args["trial_hyperparameters"]  # searched
     assert args["pruner"] == ("hyperband" if profile == "full" else "median")
     _, _, encoder = local_args(tmp_path, PIPELINES["kubejax-yelp"], own[:1], profile)
     assert set(json.loads(encoder["search_space"])) == {"learning_rate", "warmup_ratio"}
+
+
+def test_a_users_settings_keys_merge_into_the_profiles(tmp_path):
+    """--param trial_hyperparameters='{"dtype": ...}' changes that key alone: the profile's
+    steps, batch and evaluation stay, and the names given say which keys were set."""
+    from kubejax.pipelines.catalog import PIPELINES
+
+    from kubejax.local_run import given_settings
+
+    llm = PIPELINES["kubejax-llm"]
+    own = ["source=reviews.csv", "base_model=/m",
+           'trial_hyperparameters={"dtype": "float32", "max_length": 96}']  # fmt: skip
+    _, _, args = local_args(tmp_path, llm, own, "quick")
+    profile = PROFILES["quick"]["trial_hyperparameters"]
+    trial = args["trial_hyperparameters"]
+    assert (trial["dtype"], trial["max_length"]) == ("float32", 96)
+    assert {k: trial[k] for k in ("max_steps", "global_batch_size", "eval_every")} == {
+        k: profile[k] for k in ("max_steps", "global_batch_size", "eval_every")
+    }
+    assert args["train_hyperparameters"]["global_batch_size"] == 16  # untouched
+    names = given_settings([*own, "sweep_budget_share=0.5"], llm)
+    assert {"trial_hyperparameters.dtype", "trial_hyperparameters.max_length",
+            "sweep_budget_share", "source"} <= names  # fmt: skip
+    assert "trial_hyperparameters.max_steps" not in names
 
 
 def test_the_users_search_space_wins_and_the_llm_profile_keeps_the_llm_space(tmp_path):
@@ -183,6 +209,7 @@ BAD_LLM_RUNS = [
 @pytest.mark.parametrize(
     ("param", "message"), BAD_LLM_RUNS, ids=["zero", "over", "name", "memory", "algorithm"]
 )
+@pytest.mark.slow
 def test_bad_llm_runs_exit_2_in_one_line_before_any_trial(tmp_path, capsys, param, message):
     from kubejax.cli import main
 

@@ -33,6 +33,7 @@ def test_params_and_batched_metrics_read_back(mlflow_server):
     assert run.data.metrics["final_loss"] == 0.01
 
 
+@pytest.mark.slow
 def test_sqlite_store_keeps_artifacts_beside_the_database(tmp_path, monkeypatch):
     elsewhere = tmp_path / "cwd"
     elsewhere.mkdir()

@@ -43,6 +43,7 @@ def test_worker_rates_are_examples_per_second_between_samples():
 
 
 @pytest.mark.parametrize("workers", [1, 2])
+@pytest.mark.slow
 def test_the_training_report_draws_each_worker_over_time(workers):
     series = [
         {"t": t, "examples": 4 * t, "rss_mb": 100.0 + t, "cpu_percent": 90.0} for t in range(5)

@@ -12,6 +12,7 @@ import signal
 import sys
 import tempfile
 import threading
+import time
 from pathlib import Path
 
 import pytest
@@ -22,10 +23,12 @@ from kubejax.tune import SweepConfig, SweepError, ray_tune
 PROGRAM = Path(__file__).parent / "pbt_program.py"
 
 
-def factory(steps: int, sleep: float = 0.03):
+def factory(steps: int, sleep: float = 0.03, gate: Path | None = None):
     def make(number, params, out, name):
         args = ["--output-dir", out, "--learning-rate", str(params["learning_rate"]),
                 "--steps", str(steps), "--eval-every", "2", "--sleep", str(sleep)]  # fmt: skip
+        if gate is not None:
+            args += ["--gate", str(gate)]
         return JAXJobSpec(name=name, image="i", command=[sys.executable, str(PROGRAM)], args=args)
 
     return make
@@ -65,10 +68,10 @@ def _program_processes(root: Path) -> list[int]:
     return found
 
 
-def _run(cfg, tmp_path, steps, grace=2, sleep=0.03):
+def _run(cfg, tmp_path, steps, grace=2, sleep=0.03, gate=None):
     return ray_tune.run(
         cfg,
-        factory(steps, sleep),
+        factory(steps, sleep, gate),
         str(tmp_path / "trials"),
         backend="local",
         backend_options={"log_root": str(tmp_path / "logs")},
@@ -79,11 +82,111 @@ def _run(cfg, tmp_path, steps, grace=2, sleep=0.03):
     )
 
 
-def test_asha_stops_the_weak_trials_early_and_deletes_their_jobs(tmp_path):
+class _Decisions:
+    """The scheduler's decisions as it makes them, (trial id, step, decision), and a condition
+    a test's thread waits on. Tune pickles the scheduler, which holds this: it pickles as a
+    reference to the module's one instance (`DECISIONS`), whose lock cannot be pickled."""
+
+    def __init__(self):
+        self.made: list[tuple[str, int, str]] = []
+        self.changed = threading.Condition()
+
+    def __reduce__(self):
+        return (_decisions, ())
+
+
+def _decisions() -> _Decisions:
+    return DECISIONS
+
+
+DECISIONS = _Decisions()
+
+
+def _run_in_fixed_order(cfg, tmp_path, monkeypatch, steps: int, trials: int):
+    """`_run` with the results reaching the scheduler in a fixed order, whatever the machine
+    runs first: each evaluation waits at a gate (tests/pbt_program.py --gate); at each
+    evaluation step, once every trial still running waits there, they are released one at a
+    time, the highest learning rate (the strongest trial) first, each once the scheduler has
+    decided on the one before. Asynchronous halving decides on each result as it arrives, so
+    its decisions are then the same on every run. Returns the trial records and the
+    scheduler's decisions as (trial id, step, decision), in the order it made them."""
+    gate = tmp_path / "gate"
+    gate.mkdir()
+    record = DECISIONS
+    record.made.clear()
+    decisions, decided = record.made, record.changed
+    real = ray_tune.scheduler
+
+    def recording(*args):
+        sched = real(*args)
+        decide = sched.on_trial_result
+
+        def on_trial_result(controller, trial, result):
+            decision = decide(controller, trial, result)
+            with record.changed:
+                record.made.append((trial.trial_id, result.get("step"), decision))
+                record.changed.notify_all()
+            return decision
+
+        sched.on_trial_result = on_trial_result
+        return sched
+
+    monkeypatch.setattr(ray_tune, "scheduler", recording)
+
+    def waiting(step: int) -> set[str]:
+        return {p.name.split("@")[0].split("-")[1] for p in gate.glob(f"*@{step}.ready")}
+
+    def learning_rate(trial_id: str) -> float:
+        record = next((tmp_path / "trials").glob(f"trial-{trial_id}-0/trial.json"))
+        return json.loads(record.read_text())["params"]["learning_rate"]
+
+    finished, failure = threading.Event(), []
+
+    def release() -> None:
+        # The deadlines only turn a hang into a failure; nothing asserts on time.
+        try:
+            running: set[str] = set()  # every trial at the first evaluation
+            for step in range(2, steps + 1, 2):
+                deadline = time.monotonic() + 300
+                while not (running <= waiting(step) if running else len(waiting(step)) == trials):
+                    assert time.monotonic() < deadline, f"trials waiting at {step}: {waiting(step)}"
+                    if finished.wait(0.02):  # the sweep ended (failed) before
+                        return
+                running = running or waiting(step)
+                for trial_id in sorted(running, key=learning_rate, reverse=True):
+                    (gate / f"trial-{trial_id}-0@{step}.go").touch()
+                    with decided:
+                        assert decided.wait_for(
+                            lambda key=(trial_id, step): any(d[:2] == key for d in decisions), 300
+                        ), f"no decision on {trial_id} at step {step}"
+                stopped = {d[0] for d in decisions if d[2] == "STOP" and d[1] < steps}
+                running -= stopped
+        except BaseException as err:  # let the sweep end, then fail the test
+            failure.append(err)
+            while not finished.wait(0.05):
+                for ready in gate.glob("*.ready"):
+                    ready.with_suffix(".go").touch()
+
+    thread = threading.Thread(target=release, daemon=True)
+    thread.start()
+    try:
+        records, _ = _run(cfg, tmp_path, steps=steps, sleep=0.0, gate=gate)
+    finally:
+        finished.set()
+        thread.join()
+    if failure:
+        raise failure[0]
+    return records, list(decisions)
+
+
+@pytest.mark.slow
+def test_asha_stops_the_weak_trials_early_and_deletes_their_jobs(tmp_path, monkeypatch):
     cfg = _cfg(scheduler="asha", max_trials=6, parallelism=6, reduction_factor=3, seed=3)
-    trials, _ = _run(cfg, tmp_path, steps=12)
+    trials, decisions = _run_in_fixed_order(cfg, tmp_path, monkeypatch, steps=12, trials=6)
     states = sorted(t["state"] for t in trials)
     assert len(trials) == 6 and "complete" in states and "pruned" in states, trials
+    stopped = {d[0] for d in decisions if d[2] == "STOP" and d[1] < 12}
+    assert stopped == {t["trial_id"] for t in trials if t["state"] == "pruned"}, decisions
     best = max((t for t in trials if t["state"] == "complete"), key=lambda t: t["value"])
     for t in trials:
         if t["state"] == "pruned":  # stopped at a rung, below the best at that rung
@@ -95,6 +198,7 @@ def test_asha_stops_the_weak_trials_early_and_deletes_their_jobs(tmp_path):
     assert _program_processes(tmp_path) == []
 
 
+@pytest.mark.slow
 def test_pbt_restarts_a_bottom_trial_from_a_top_trials_checkpoint(tmp_path):
     """A trial restarted by PBT resumes from its donor's checkpoint: its job's first step is
     past 0, its folder holds the donor's checkpoint of that step, and it trains with the
@@ -179,6 +283,7 @@ def test_a_trial_is_matched_to_its_result_by_its_folder_not_its_metrics(tmp_path
     ]
 
 
+@pytest.mark.slow
 def test_a_cancelled_ray_sweep_leaves_no_job(tmp_path):
     cfg = _cfg(scheduler="none", max_trials=2, parallelism=2)
 
@@ -220,6 +325,7 @@ def test_what_the_ray_path_cannot_run_is_refused(monkeypatch):
     assert os.environ.get("RAY_ADDRESS") is None  # nothing was started
 
 
+@pytest.mark.slow
 def test_fake_cluster_ray_sweep_runs_trainjob_trials_and_deletes_them(tmp_path, monkeypatch):
     """The launcher's Ray path on a cluster backend: each trial a TrainJob (rendered with the
     trial's settings) that the trial deletes when it ends; the Optuna path's outputs."""
@@ -252,25 +358,32 @@ def test_fake_cluster_ray_sweep_runs_trainjob_trials_and_deletes_them(tmp_path, 
     assert best["value"] == pytest.approx(2 * best["params"]["learning_rate"])
 
 
-def test_the_defaults_trial_runs_first_and_asha_never_stops_it(tmp_path):
+@pytest.mark.slow
+def test_the_defaults_trial_runs_first_and_asha_never_stops_it(tmp_path, monkeypatch):
     """Ray's search evaluates the defaults' point first (`points_to_evaluate`): trial 0, marked;
-    at learning rate 0.01 it is the weakest, yet ASHA lets it run to the end (the reference
-    the sweep's choice weighs the others against)."""
+    at learning rate 0.01 it is the weakest, and its results reach ASHA after every stronger
+    trial's (a fixed order), yet ASHA lets it run to the end (the reference the sweep's choice
+    weighs the others against)."""
     from kubejax.tune.controller import SweepResult, decide
 
     cfg = _cfg(scheduler="asha", max_trials=6, parallelism=6, reduction_factor=3, seed=3,
                defaults={"learning_rate": 0.01})  # fmt: skip
-    trials, _ = _run(cfg, tmp_path, steps=12)
+    trials, decisions = _run_in_fixed_order(cfg, tmp_path, monkeypatch, steps=12, trials=6)
     assert len(trials) == 6 and trials[0]["number"] == 0 and trials[0].get("defaults"), trials
     assert trials[0]["params"] == {"learning_rate": 0.01}
     assert not any(t.get("defaults") for t in trials[1:])
     assert trials[0]["state"] == "complete" and trials[0]["steps"] == 12, trials[0]
+    # At the first rung its result came last, after stronger ones ASHA stopped: spared.
+    first_rung = [d for d in decisions if d[1] == 2]
+    assert first_rung[-1] == (trials[0]["trial_id"], 2, "CONTINUE"), first_rung
+    assert any(d[2] == "STOP" for d in first_rung[:-1]), first_rung
     assert any(t["state"] == "pruned" for t in trials), trials
     best = max((t for t in trials if t["state"] == "complete"), key=lambda t: t["value"])
     result = decide(SweepResult(best["params"], best["value"], best["number"], trials), cfg)
     assert result.defaults_trial == 0 and result.choice == "best" and result.gain > 0
 
 
+@pytest.mark.slow
 def test_a_ray_grid_runs_the_defaults_then_the_whole_grid(tmp_path):
     cfg = _cfg(algorithm="grid", max_trials=8, parallelism=3, defaults={"learning_rate": 0.3},
                space={"learning_rate": {"type": "categorical", "choices": [0.1, 0.5]}})  # fmt: skip

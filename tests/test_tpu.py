@@ -207,6 +207,7 @@ def _pod_of_trainjob(manifest: dict) -> dict:
     return job["template"]["spec"]["template"]["spec"]
 
 
+@pytest.mark.slow
 def test_a_multi_host_tpu_job_renders_one_worker_a_host_on_both_engines(
     trainjob_schema, jaxjob_schema
 ):
@@ -361,6 +362,7 @@ def test_fake_tpu_trainjob_runs_on_the_jax_tpu_runtime_and_names_it_when_missing
         assert body["spec"]["runtimeRef"]["name"] == "jax-tpu"
 
 
+@pytest.mark.slow
 def test_fake_tpu_sweep_runs_its_trials_as_trainjobs_on_the_trials_slice(
     tmp_path, monkeypatch, trainjob_schema
 ):
@@ -428,6 +430,7 @@ def test_a_sweep_on_a_tpu_slice_is_refused_before_any_job(tmp_path):
 # --- the trainer's code path
 
 
+@pytest.mark.slow
 def test_a_tpu_training_runs_the_trainer_with_the_slices_chips(tmp_path, tiny_model_dir, prepared):
     """A v5e 2x2 slice (one host of 4 chips) launched on the local backend: the worker gets as
     many devices as the host has chips (CPU devices here, the same mesh and shards), and the

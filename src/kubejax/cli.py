@@ -95,6 +95,17 @@ def _prepare(args) -> int:
 # jaxjob
 
 
+def _model_config_option(q) -> None:
+    q.add_argument(
+        "--model-config",
+        default="",
+        metavar="PATH",
+        help="the model's config.json (or a folder holding one) to plan from, where the model "
+        "itself is only where the pods are (a volume, a hub id out of reach from here); "
+        "without it, render skips the memory plan of such a model, saying so",
+    )
+
+
 def _accelerator_options(q, devices: str) -> None:
     q.add_argument(
         "--accelerator",
@@ -120,6 +131,7 @@ def _job_options(q) -> None:
         help="number of workers (nodes); 0: 1, or a TPU slice's hosts",
     )
     _accelerator_options(q, "--gpus")
+    _model_config_option(q)
     q.add_argument(
         "--restart-policy",
         default="OnFailure",
@@ -204,6 +216,7 @@ def _add_plan(sub) -> None:
         help="devices (GPUs) a worker, 0: one; on a TPU the chips of a host (0: the slice's)",
     )
     _accelerator_options(p, "--devices-per-worker")
+    _model_config_option(p)
     p.add_argument(
         "--device-memory",
         default="",
@@ -238,16 +251,27 @@ def _plan(args) -> int:
     if shape is not None:
         check_mesh(cfg, shape)
     per_pod, selector = devices_per_pod(pod), pod.get("node_selector")
-    checked, devices = plan.check_job(cfg, replicas, per_pod, selector)
-    if checked is None:  # no device memory given: the figures alone
-        checked = plan.plan_memory(
-            cfg, plan.model_config(cfg), cfg.num_labels or 5, devices,
-            platform=plan.platform_of(cfg, selector or {}, per_pod),
-        )  # fmt: skip
+    model_cfg = _model_config_of(args)
+    fitting, devices = plan.fit_job(cfg, replicas, per_pod, selector, model_cfg)
+    if fitting is None:  # no device memory given: the figures of the run as it asks
+        fitting = plan.fit_memory(
+            cfg, model_cfg or plan.model_config(cfg), cfg.num_labels or 5, devices, None,
+            plan.platform_of(cfg, selector or {}, per_pod),
+        )[1]  # fmt: skip
     if shape is not None:
         print(f"slice: {shape.describe()}, {shape.machine_type} hosts")
-    print(checked.describe())
+    print(f"batch: {fitting.describe()}")
+    print(fitting.plan.describe())
     return 0
+
+
+def _model_config_of(args):
+    """The model's config from --model-config, or None (read from the model itself)."""
+    if not getattr(args, "model_config", ""):
+        return None
+    from kubejax.trainer import plan
+
+    return plan.model_config_file(args.model_config)
 
 
 def _add_jaxjob(sub) -> None:
@@ -273,10 +297,12 @@ def _add_jaxjob(sub) -> None:
     run.set_defaults(func=_jaxjob_run, engine=None, env_contract="jaxjob")
 
 
-def _spec_from_args(args):
+def _spec_from_args(args, unchecked_ok: bool = False):
     """The job of the options, refused (before anything is printed or submitted) when its
     accelerator settings contradict, its mesh does not fit the devices or its memory plan the
-    device."""
+    device. `unchecked_ok` (a manifest rendered, nothing submitted): where this machine cannot
+    read the model's config (`--model-config` not given), the plan is skipped, saying so in
+    one line on stderr."""
     from kubejax.jobs.spec import JAXJobSpec, resources
     from kubejax.launchers.common import TRAINER_COMMAND, check_job, place_workers
 
@@ -313,7 +339,18 @@ def _spec_from_args(args):
         queue_name=args.queue_name,
         priority_class=args.priority_class,
     )
-    check_job(_trainer_config(args), replicas, pod, shape)
+    from kubejax.trainer.plan import ModelConfigUnavailable
+
+    try:
+        check_job(_trainer_config(args), replicas, pod, shape, _model_config_of(args))
+    except ModelConfigUnavailable as err:
+        if not unchecked_ok:
+            raise
+        print(
+            f"kubejax {args.command}: the memory plan was not checked ({err}); give "
+            "--model-config PATH (its config.json) to check it",
+            file=sys.stderr,
+        )
     return spec
 
 
@@ -323,7 +360,7 @@ def _jaxjob_render(args) -> int:
     from kubejax.jobs.spec import build_manifest
     from kubejax.jobs.trainjob import build_trainjob_manifest
 
-    spec = _spec_from_args(args)
+    spec = _spec_from_args(args, unchecked_ok=True)
     build = build_trainjob_manifest if args.engine == "trainjob" else build_manifest
     print(yaml.safe_dump(build(spec), sort_keys=False), end="")
     return 0
@@ -456,7 +493,12 @@ def _add_evaluate(sub) -> None:
     p.add_argument("--data-dir", required=True)
     p.add_argument("--split", default="test")
     p.add_argument("--batch-size", type=int, default=64)
-    p.add_argument("--dtype", default="float32", help="compute dtype: float32 or bfloat16")
+    p.add_argument(
+        "--dtype",
+        default="auto",
+        help="compute dtype: float32, bfloat16 or auto (bfloat16 where the device multiplies "
+        "it natively, else float32)",
+    )
     p.add_argument("--report", help="also write the HTML report here")
     p.set_defaults(func=_evaluate)
 

@@ -8,6 +8,7 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 
@@ -15,7 +16,7 @@ from kubejax import report
 from kubejax.data import dataset
 from kubejax.errors import KubejaxError
 from kubejax.models import weights
-from kubejax.trainer.config import DTYPES
+from kubejax.trainer import precision
 from kubejax.trainer.predict import predict_logits, use_cpu_cores_as_devices
 
 
@@ -60,18 +61,24 @@ def evaluate_model(
     data_dir: str | Path,
     split: str = "test",
     batch_size: int = 64,
-    dtype: str = "float32",
+    dtype: str = "auto",
 ) -> dict:
     """Metrics of the model on a split, with predictions and throughput. In a process whose JAX
     has not started, on CPU it computes on one device per core (`use_cpu_cores_as_devices`).
 
-    `dtype` is the compute dtype, as the trainer's: `bfloat16` multiplies bfloat16 operands
+    `dtype` is the compute dtype, as the trainer's (`auto`: bfloat16 where the device
+    multiplies it natively, `kubejax.trainer.precision`): `bfloat16` multiplies bfloat16 operands
     into float32 sums, faster than float32 where the hardware has bfloat16 products (a CPU
     with AVX512-BF16, a GPU), and may turn a prediction whose top two logits nearly tie.
     """
-    if dtype not in DTYPES:
-        raise EvaluationError(f"dtype: {dtype!r} is not one of {', '.join(DTYPES)}")
+    try:
+        precision.check("dtype", dtype)
+    except precision.PrecisionError as err:
+        raise EvaluationError(str(err)) from None
     use_cpu_cores_as_devices(batch_size)
+    if dtype == precision.AUTO:
+        device = jax.devices()[0]
+        dtype = precision.choose(dtype, dtype, "none", device.platform, device).dtype
     model_dir = check_model_dir(model_dir)
     meta = dataset.read_metadata(data_dir)
     try:
@@ -223,7 +230,7 @@ def evaluate_task(
     *,
     split: str = "test",
     batch_size: int = 64,
-    dtype: str = "float32",
+    dtype: str = "auto",
     mlflow_run_id: str = "",
     mlflow_tracking_uri: str = "",
     mlflow_experiment: str = "kubejax",
@@ -240,6 +247,7 @@ def evaluate_task(
     result = evaluate_model(
         model_path, dataset_path, split=split, batch_size=batch_size, dtype=dtype
     )
+    dtype = result["dtype"]  # `auto` as it resolved on this device
     names = result["label_names"]
     figures = ("accuracy", "macro_f1", "loss", "majority_baseline")
     metrics = {key: float(result[key]) for key in (*figures, "examples_per_s")}
@@ -254,12 +262,15 @@ def evaluate_task(
     predictions = report_path + ".predictions.json"
     save_predictions(result, predictions)
 
+    # The training's run when given, else (under KFP's MLflow integration) the task's own run.
+    joined = {} if mlflow_run_id else tracking.kfp_task_tracking(mlflow_tracking_uri)
     tracker = tracking.create_tracker(
         mlflow_tracking_uri,
         mlflow_experiment,
         run_id=mlflow_run_id or None,
         run_name=None if mlflow_run_id else "evaluate",
         tags=tracking.kfp_tags({"kubejax.step": "evaluate", "kubejax.eval_dtype": dtype}),
+        **joined,
     )
     tracker.log_metrics({f"{split}_{k}": float(result[k]) for k in figures})
     tracker.log_metrics(

@@ -22,6 +22,13 @@ class FlagError(KubejaxError, ValueError):
     """A value that does not fit its setting; the message names the setting."""
 
 
+#: Kubeflow Trainer's OptimizationJob gives each trial TrainJob its assignment of parameter
+#: `<name>` as the env var KUBEFLOW_TRAINER_OPT_<NAME> (the name upper-cased, '-' as '_'; the
+#: open controller pull requests kubeflow/trainer d9989e8 and c453a13, KEP-3562 §8.2): here,
+#: below the trainer and the sweep engines, which both read it.
+OPTIMIZATION_ENV_PREFIX = "KUBEFLOW_TRAINER_OPT_"
+
+
 def setting(default: Any, help: str, **metadata) -> Any:
     """A dataclass field with its help text (a mutable default becomes a factory)."""
     if isinstance(default, dict | list):
@@ -36,6 +43,19 @@ def base_type(tp):
     if isinstance(tp, types.UnionType) or typing.get_origin(tp) is typing.Union:
         return next(a for a in typing.get_args(tp) if a is not type(None))
     return typing.get_origin(tp) or tp
+
+
+def int_or_text(text: str) -> int | str:
+    """The value of an `int | str` setting (a count, or a word such as `auto`): an int where
+    the text is one; the config's validation judges the rest."""
+    try:
+        return int(text)
+    except ValueError:
+        return text
+
+
+def _is_int_or_text(tp) -> bool:
+    return set(typing.get_args(tp)) - {type(None)} == {int, str}
 
 
 def _flag(name: str) -> str:
@@ -69,6 +89,8 @@ def add_flags(
             )
         else:
             kind = json.loads if tp in (dict, list) else tp
+            if _is_int_or_text(hints[f.name]):
+                kind = int_or_text
             parser.add_argument(
                 _flag(f.name), dest=f.name, type=kind, default=default, required=missing, help=text
             )

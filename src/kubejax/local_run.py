@@ -503,13 +503,33 @@ def local_args(
     profile = choose_profile(profile, user, pipeline.name)
     defaults = embedded_params(workdir, profile, pipeline.name)
     args = {k: v for k, v in defaults.items() if k in types}
+    for name in HYPERPARAMETER_PARAMS & set(user):
+        # A user's keys override those keys of the profile's settings, not the whole object.
+        user[name] = {**(args.get(name) or {}), **(user[name] or {})}
     args.update(user)
     return profile, defaults, args
 
 
+#: The pipelines' trainer settings objects, which a user's --param merges into key by key.
+HYPERPARAMETER_PARAMS = {"trial_hyperparameters", "train_hyperparameters"}
+#: The trials' settings that the budget sizes (a user's own trials keep theirs).
+SIZED_TRIAL_KEYS = ("max_steps", "eval_every", "max_eval_examples")
+
+
+def given_settings(overrides: list[str], pipeline) -> set[str]:
+    """The names a user's NAME=VALUE `overrides` set: the parameters, and each key set inside
+    the trainer settings objects as `trial_hyperparameters.max_steps`."""
+    types = pipeline_inputs(pipeline)
+    names = {o.partition("=")[0] for o in overrides}
+    user = parse_params([o for o in overrides if o.partition("=")[0] in types], types)
+    for name in HYPERPARAMETER_PARAMS & set(user):
+        names |= {f"{name}.{key}" for key in user[name] or {}}
+    return names
+
+
 #: Settings of the local run itself, given as --param NAME=VALUE beside the pipeline's: the
 #: share of the whole run the sweep may take (kubejax-llm: it sizes the sweep's trials).
-RUN_SETTINGS = {"sweep_budget_share": 0.4}
+RUN_SETTINGS = {"sweep_budget_share": 0.3}
 
 
 def run_settings(overrides: list[str]) -> dict[str, Any]:
@@ -536,11 +556,11 @@ def runs_memory() -> Path:
 LENGTH_SAMPLE = 512
 
 
-def source_rows(args: dict[str, Any]) -> tuple[dict[str, int], list[str]] | None:
+def source_rows(args: dict[str, Any]) -> tuple[dict[str, int], list[str], dict] | None:
     """The rows the prepare step will give each split (train, validation, test) of a local
     source, by its own arithmetic (the fractions carved out where the source lacks a split,
-    then the caps), and up to `LENGTH_SAMPLE` of its texts; None for a hub dataset (not read
-    before the run)."""
+    then the caps), up to `LENGTH_SAMPLE` of its texts, and its frames as read; None for a hub
+    dataset (not read before the run)."""
     from kubejax.data import prepare
 
     if not Path(str(args["source"])).expanduser().exists():
@@ -567,7 +587,7 @@ def source_rows(args: dict[str, Any]) -> tuple[dict[str, int], list[str]] | None
     for split in ("train", "validation", "test"):
         cap = int(args.get(f"max_{split}_samples") or 0)
         n[split] = min(n[split], cap) if cap else n[split]
-    return {k: n[k] for k in ("train", "validation", "test")}, texts
+    return {k: n[k] for k in ("train", "validation", "test")}, texts, frames
 
 
 #: Tokens a causal-lm row holds beside its review: kubejax's default template ("Review: ",
@@ -652,6 +672,8 @@ class LocalPlan:
     args: dict[str, Any]
     lines: list[str]
     signature: str
+    #: The budget from a matmul's speed, where the real model's step was then timed.
+    first_estimate: Any = None
 
 
 def plan_llm_run(
@@ -660,13 +682,21 @@ def plan_llm_run(
     user: set[str],
     signature: str,
     view: SweepView | None = None,
+    say=None,
 ) -> LocalPlan:
     """The budget of a local kubejax-llm run (`kubejax.tune.budget`) and its sweep sized to
     `settings["sweep_budget_share"]` of it: unless the user set them (`user`: the parameters
     given), the trials' count, steps and evaluation size (`view`: the sweep as its step will
     see it, `preflight`'s: a grid's points the memory plan refuses cost nothing). Without a
     budget (`budget` None) where the cost cannot be known before the run (a hub model or
-    dataset); the lines say why."""
+    dataset); the lines say why.
+
+    The speed is first a matmul's, measured now; where that estimate reaches
+    `probe.PROBE_FROM_S`, the real model's step is timed here (`kubejax.launchers.probe`: a few
+    steps of the trials' settings), the first estimate said through `say` meanwhile, and the
+    budget made again from the step's timing."""
+    from kubejax.launchers import probe
+    from kubejax.launchers.common import SETTING_PARAMS, with_settings
     from kubejax.tune import budget as b
 
     shape = b.ModelShape.from_folder(str(args["base_model"]))
@@ -675,8 +705,8 @@ def plan_llm_run(
         what = "base_model" if shape is None else "source"
         return LocalPlan(None, args, [f"no budget: {what} {args[what]} is not read before "
                                       "the run (a hub id)"], signature)  # fmt: skip
-    rows, texts = source
-    args = dict(args)
+    rows, texts, frames = source
+    args = base_args = dict(args)
     trial_hp = dict(args.get("trial_hyperparameters") or {})
     train_hp = dict(args.get("train_hyperparameters") or {})
     max_length = int(train_hp.get("max_length") or args.get("max_length") or 256)
@@ -689,7 +719,7 @@ def plan_llm_run(
 
     length = padded(train_hp, int(train_hp.get("global_batch_size") or 32))
     peft = str(args.get("peft") or "lora")
-    dtype = str(train_hp.get("dtype") or "float32")
+    dtype = _dtype_here(train_hp, peft)
     machine = b.measure_machine(dtype)
     warm = b.compiled_before(signature, runs_memory())
     batch = int(train_hp.get("global_batch_size") or 32)
@@ -702,50 +732,106 @@ def plan_llm_run(
     trial_batch = int(trial_hp.get("global_batch_size") or batch)
     trial_length = padded(trial_hp, trial_batch)
     # The final training runs the programs its chosen trial compiled where their shapes agree.
-    trial_dtype = trial_hp.get("dtype") or "float32"
+    trial_dtype = _dtype_here(trial_hp, peft)
     trial_shape = (trial_length, trial_batch, trial_dtype, args.get("trial_replicas", 1))
     final_warm = warm or trial_shape == (length, batch, dtype, args.get("replicas", 1))
-    costs = {
-        "prepare": b.prepare_seconds(sum(rows.values())),
-        "sweep": 0.0,
-        "final training": b.train_seconds(machine, shape, final, final_warm),
-        "evaluation": b.evaluate_seconds(machine, shape, rows["test"], length),
-        "register": b.TASK_START_S,
-    }
-    rest = sum(costs.values())
-    share = settings["sweep_budget_share"]
-    parallel = int(args.get("parallelism") or 1)
-    notes = {}
-    if {"max_trials", "trial_hyperparameters"} & user:
-        trials = _trials_given(args, view)
-        trial = _trial_given(trial_hp, steps, trial_batch, trial_length, rows, peft)
-        costs["sweep"] = b.sweep_seconds(machine, shape, trial, trials, parallel, warm)
-        notes["sweep"] = f"({trials} trials × {trial.steps} steps, as given)"
-    else:
-        size = b.size_sweep(
-            machine=machine, shape=shape, rest_seconds=rest, share=share,
-            most_trials=int(args.get("max_trials") or 8), parallel=parallel, final_steps=steps,
-            batch=trial_batch, length=trial_length, validation_rows=rows["validation"],
-            peft=peft, warm=warm,
+
+    def _estimate(machine) -> LocalPlan:
+        """The budget at `machine`'s speed, the sweep sized to its share."""
+        args = dict(base_args)
+        costs = {
+            "prepare": b.prepare_seconds(sum(rows.values())),
+            "sweep": 0.0,
+            "final training": b.train_seconds(machine, shape, final, final_warm),
+            "evaluation": b.evaluate_seconds(machine, shape, rows["test"], length),
+            "register": b.TASK_START_S,
+        }
+        rest = sum(costs.values())
+        share = settings["sweep_budget_share"]
+        parallel = int(args.get("parallelism") or 1)
+        notes = {}
+        as_given = {"max_trials", *(f"trial_hyperparameters.{k}" for k in SIZED_TRIAL_KEYS)}
+        if as_given & user:
+            trials = _trials_given(args, view)
+            trial = _trial_given(trial_hp, steps, trial_batch, trial_length, rows, peft)
+            costs["sweep"] = b.sweep_seconds(machine, shape, trial, trials, parallel, warm)
+            notes["sweep"] = f"({trials} trials × {trial.steps} steps, as given)"
+        else:
+            size = b.size_sweep(
+                machine=machine, shape=shape, rest_seconds=rest, share=share,
+                most_trials=int(args.get("max_trials") or 8), parallel=parallel, final_steps=steps,
+                batch=trial_batch, length=trial_length, validation_rows=rows["validation"],
+                peft=peft, warm=warm,
+            )  # fmt: skip
+            costs["sweep"] = size.seconds
+            notes["sweep"] = f"({size.why})"
+            args["max_trials"] = size.trials
+            args["trial_hyperparameters"] = _sized_trial(trial_hp, size)
+        notes["final training"] = f"({steps} steps of {batch} × {length} tokens, {_layout(args)})"
+        notes["evaluation"] = f"({rows['test']} test rows)"
+        notes["prepare"] = f"({sum(rows.values())} rows: {rows})"
+        budget = b.Budget({k: costs[k] for k in ("prepare", "sweep", "final training",
+                                                 "evaluation", "register")}, notes)  # fmt: skip
+        lines = [
+            f"budget: {shape.weights / 1e6:.1f}M non-embedding weights, "
+            f"{shape.train_flops(length, peft) / 1e6:.0f} MFLOP a training token ({peft}); "
+            f"speed: {machine.describe()}; compile: "
+            + ("cached (this run's programs ran here before)" if warm else "afresh"),
+            *budget.lines(),
+            f"  the sweep: {budget.sweep_share:.0%} of the whole (sweep_budget_share {share:g})",
+            *_slow_dtype_warnings(trial_hp, train_hp, peft),
+        ]
+        return LocalPlan(budget, args, lines, signature)
+
+    first = _estimate(machine)
+    if first.budget.total < probe.PROBE_FROM_S:
+        return first
+    if say is not None:
+        say(f"budget: first estimate ~{first.budget.total:.0f} s from a matmul "
+            f"({machine.describe()}); timing the real model's step here")  # fmt: skip
+    multiple = int(trial_hp.get("bucket_multiple") or 32)
+    top = int(trial_hp.get("max_length") or max_length)
+    probe_length = min(top, -(-trial_length // multiple) * multiple)
+    adapters = {k: args[k] for k in SETTING_PARAMS if k in args and k != "mesh"}
+    prepare_settings = {k: args[k] for k in ("text_column", "label_column", "task",
+                                             "prompt_template") if args.get(k)}  # fmt: skip
+    try:
+        timing = probe.probe_step(
+            model=str(args["base_model"]), frames=frames, prepare=prepare_settings,
+            trial=with_settings({**trial_hp, "task": args.get("task", "causal-lm")}, **adapters),
+            rows=trial_batch, length=probe_length, shape=shape, peft=peft,
         )  # fmt: skip
-        costs["sweep"] = size.seconds
-        notes["sweep"] = f"({size.why})"
-        args["max_trials"] = size.trials
-        args["trial_hyperparameters"] = _sized_trial(trial_hp, size)
-    notes["final training"] = f"({steps} steps of {batch} × {length} tokens, {_layout(args)})"
-    notes["evaluation"] = f"({rows['test']} test rows)"
-    notes["prepare"] = f"({sum(rows.values())} rows: {rows})"
-    budget = b.Budget({k: costs[k] for k in ("prepare", "sweep", "final training",
-                                             "evaluation", "register")}, notes)  # fmt: skip
-    lines = [
-        f"budget: {shape.weights / 1e6:.1f}M non-embedding weights, "
-        f"{shape.train_flops(length, peft) / 1e6:.0f} MFLOP a training token ({peft}); "
-        f"speed: {machine.describe()}; compile: "
-        + ("cached (this run's programs ran here before)" if warm else "afresh"),
-        *budget.lines(),
-        f"  the sweep: {budget.sweep_share:.0%} of the whole (sweep_budget_share {share:g})",
-    ]
-    return LocalPlan(budget, args, lines, signature)
+    except probe.ProbeError as err:  # the trials will say more; the matmul's budget stands
+        first.lines.append(f"  {err}; the budget stays the matmul's")
+        return first
+    machine.measured = timing
+    second = _estimate(machine)
+    second.lines.append(f"  the first estimate, from a matmul: ~{first.budget.total:.0f} s")
+    second.first_estimate = first.budget
+    return second
+
+
+def _dtype_here(hp: dict, peft: str) -> str:
+    """The compute dtype a local job of settings `hp` runs in on this machine (`auto`
+    resolved as its trainer will resolve it)."""
+    from kubejax.trainer import precision
+
+    chosen = precision.choose(hp.get("dtype") or "auto", hp.get("param_dtype") or "auto",
+                              peft, "cpu")  # fmt: skip
+    return chosen.dtype
+
+
+def _slow_dtype_warnings(trial_hp: dict, train_hp: dict, peft: str) -> list[str]:
+    """A warning where a job's bfloat16 is set explicitly on this CPU without bfloat16
+    arithmetic, with what it costs here (measured now): kept, not refused."""
+    from kubejax.trainer import precision
+
+    explicit = [hp.get("dtype") == "bfloat16" for hp in (trial_hp, train_hp)]
+    if not any(explicit) or precision.native_bfloat16("cpu")[0]:
+        return []
+    where = " and ".join(n for n, e in zip(("trials", "final training"), explicit, strict=True)
+                         if e)  # fmt: skip
+    return [f"warning: the {where}: {precision.slow_bfloat16_warning('cpu')}"]
 
 
 class BadRunInput(KubejaxError, ValueError):
@@ -851,7 +937,7 @@ def _run(workdir, pipeline, overrides, profile, verbose, terminal) -> dict:
     profile, defaults, args = local_args(workdir, pipeline, overrides, profile)
     with bad_input():
         settings = run_settings(overrides)
-    given = {o.partition("=")[0] for o in overrides}
+    given = given_settings(overrides, pipeline)
     if pipeline_name != LLM_PIPELINE and given & set(RUN_SETTINGS):
         raise ValueError(
             f"--param sweep_budget_share: sizes the sweep of {LLM_PIPELINE}'s local runs; "
@@ -878,7 +964,11 @@ def _run(workdir, pipeline, overrides, profile, verbose, terminal) -> dict:
             config.read_text() if config.is_file() else str(args.get("base_model")),
             os.environ.get("JAX_COMPILATION_CACHE_DIR", ""),
         )  # fmt: skip
-        plan = plan_llm_run(args, settings, given, signature, view)
+
+        def say(line: str) -> None:
+            print(f"kubejax: {line}", file=terminal, flush=True)
+
+        plan = plan_llm_run(args, settings, given, signature, view, say=say)
         args = plan.args
     budget = describe_budget(profile, args)
     log_path = workdir / "logs" / "pipeline.log"
@@ -916,12 +1006,48 @@ def _run(workdir, pipeline, overrides, profile, verbose, terminal) -> dict:
         summary["budget_s"] = {
             "predicted": {k: round(v, 1) for k, v in plan.budget.steps.items()},
             "predicted_total": round(plan.budget.total, 1),
+            "measured": measured_phases(tasks),
+            **(
+                {"first_estimate_total": round(plan.first_estimate.total, 1)}
+                if plan.first_estimate is not None
+                else {}
+            ),
             "measured_total": round(wall, 1),
             "sweep_budget_share": settings["sweep_budget_share"],
         }
+        print(f"kubejax: {budget_said(summary['budget_s'])}", file=terminal, flush=True)
         cost.remember_run(plan.signature, runs_memory())
     (workdir / "summary.json").write_text(json.dumps(summary, indent=1))
     return summary
+
+
+#: The budget's steps by the pipeline tasks' names.
+BUDGET_STEPS = {"prepare-yelp": "prepare", "tune-sweep": "sweep", "train": "final training",
+                "evaluate": "evaluation", "register-model": "register"}  # fmt: skip
+
+
+def measured_phases(tasks: list[dict]) -> dict[str, float]:
+    """Each budget step's measured seconds, from the run log's tasks (`RunLog.tasks`)."""
+    out: dict[str, float] = {}
+    for task in tasks:
+        step = BUDGET_STEPS.get(task["task"])
+        if step is not None and task.get("seconds") is not None:
+            out[step] = round(out.get(step, 0.0) + task["seconds"], 1)
+    return out
+
+
+def budget_said(budget_s: dict) -> str:
+    """The budget against the run, step by step, in one line (the summary's `budget_s`)."""
+    predicted, measured = budget_s["predicted"], budget_s["measured"]
+    steps = [
+        f"{step} {predicted[step]:.0f}/{measured[step]:.0f} s"
+        for step in predicted
+        if step in measured
+    ]
+    return (
+        f"budget against the run (predicted/measured): total {budget_s['predicted_total']:.0f}/"
+        f"{budget_s['measured_total']:.0f} s; " + ", ".join(steps)
+    )
 
 
 def task_count(pipeline) -> int:

@@ -210,3 +210,23 @@ def training_report(metrics: dict, resources: list[dict], title: str = "Training
     if metrics.get("final"):
         sections.append("<h2>Final</h2>" + report.table([metrics["final"]]))
     return report.page(title, sections)
+
+
+def matmul_gflops(dtype: str = "float32", n: int = 1024, seconds: float = 0.5) -> float:
+    """An n×n `dtype` matmul through XLA on this process's default device, timed for about
+    `seconds`: its median's GFLOP/s (as benchmarks/common.py's `matmul_peak_gflops` measures
+    it, but robust to a moment's neighbour). Float32 sums, as the trainer's products."""
+    import statistics
+
+    import jax
+    import jax.numpy as jnp
+
+    a = jax.random.normal(jax.random.key(0), (n, n), dtype)
+    f = jax.jit(lambda x: jnp.matmul(x, x, preferred_element_type=jnp.float32))
+    f(a).block_until_ready()
+    times, end = [], time.perf_counter() + seconds
+    while time.perf_counter() < end or len(times) < 5:
+        t = time.perf_counter()
+        f(a).block_until_ready()
+        times.append(time.perf_counter() - t)
+    return 2 * n**3 / statistics.median(times) / 1e9

@@ -109,16 +109,20 @@ class MlflowTracker(Tracker):
         run_id: str | None = None,
         parent_run_id: str | None = None,
         tags: Mapping[str, str] | None = None,
+        end_run: bool = True,
     ):
         from mlflow.tracking import MlflowClient
 
         self.tracking_uri = tracking_uri
+        # A run joined rather than made here (a KFP task's) is left for its owner to end.
+        self.end_run = end_run
         self.client = MlflowClient(tracking_uri)
         try:
             self._check_reachable()
             if run_id:
                 self.run_id = self.client.get_run(run_id).info.run_id
-                self.client.update_run(run_id, status="RUNNING")
+                if end_run:
+                    self.client.update_run(run_id, status="RUNNING")
             elif parent_run_id:
                 # A nested run lives in its parent's experiment, or the UI cannot show it.
                 exp_id = self.client.get_run(parent_run_id).info.experiment_id
@@ -318,6 +322,8 @@ class MlflowTracker(Tracker):
                 len(self._errors),
                 self._errors[0] if self._errors else "?",
             )
+        if not self.end_run:
+            return lost
         try:
             self.client.set_terminated(self.run_id, status=status)
         except Exception as err:
@@ -374,6 +380,16 @@ _WORKER_ENV = ("MLFLOW_EXPERIMENT_ID", "MLFLOW_WORKSPACE")
 def kfp_task_run() -> str:
     """The KFP task's MLflow run id ('' outside KFP's MLflow integration)."""
     return os.environ.get(KFP_TASK_RUN_ENV, "")
+
+
+def kfp_task_tracking(tracking_uri: str | None = "") -> dict:
+    """`create_tracker` arguments that log into the KFP task's own run (KFP's MLflow
+    integration: MLFLOW_RUN_ID on the server of MLFLOW_TRACKING_URI) instead of a run beside
+    it, left for KFP to end; {} outside that integration or for another server."""
+    run, server = kfp_task_run(), os.environ.get("MLFLOW_TRACKING_URI", "")
+    if not run or (server and resolve_uri(tracking_uri) != server):
+        return {}
+    return {"run_id": run, "end_run": False}
 
 
 def worker_env(tracking_uri: str) -> dict[str, str]:

@@ -110,6 +110,7 @@ def test_headerless_three_column_layout(tmp_path, minilm_dir):
     assert meta["num_labels"] == 2
 
 
+@pytest.mark.slow
 def test_stratified_validation_and_caps(tmp_path, minilm_dir):
     src = _write(_frame(1000), tmp_path / "r.parquet")
     meta = prepare_yelp(
@@ -292,6 +293,7 @@ def test_unreadable_file(tmp_path, minilm_dir):
         _bad(tmp_path, minilm_dir, source=src)()
 
 
+@pytest.mark.slow
 def test_cli_prepare_and_its_errors(tmp_path, minilm_dir, yelp_dir, capsys):
     out = tmp_path / "cli-out"
     code = cli_main(

@@ -79,6 +79,7 @@ def _bert_variants(minilm_json: dict):
                 yield f"lower={lowercase},strip={strip_accents},cjk={handle_chinese_chars}", d
 
 
+@pytest.mark.slow
 def test_native_engine_equals_tokenizers_for_every_bert_normalizer(tmp_path, minilm_dir):
     base = json.loads((minilm_dir / "tokenizer.json").read_text())
     texts = _texts([w for w in base["model"]["vocab"] if w.isalpha()], n=800)

@@ -8,7 +8,9 @@ completion-index labels for a TrainJob); their log is `log_lines`. Jobs get a ui
 job's step has a true `Suspended` condition, its Kueue Workload (listed by the job-uid label)
 says `queue_reason`; a TrainJob's status carries `trainer_status` while it runs. Katib: a
 created Experiment moves one step along `experiment_script` (statuses) at each GET; its Trials
-are `katib_trials`.
+are `katib_trials`. Trainer's OptimizationJob: a created one gets a uid and moves one step along
+`optimization_script` (statuses) at each GET; `on_optimization_job` makes its trial TrainJobs
+(a job stored with a `status` of its own keeps it).
 """
 
 from __future__ import annotations
@@ -34,6 +36,9 @@ DISCOVERY = {
 PODS = re.compile(r"^/api/v1/namespaces/([^/]+)/pods(?:/([^/]+))?(/log)?$")
 KATIB = re.compile(
     r"^/apis/kubeflow\.org/v1beta1/namespaces/([^/]+)/(experiments|trials)(?:/([^/]+))?$"
+)
+OPTIMIZATION_JOBS = re.compile(
+    r"^/apis/trainer\.kubeflow\.org/v1alpha1/namespaces/([^/]+)/optimizationjobs(?:/([^/]+))?$"
 )
 WORKLOADS = re.compile(r"^/apis/kueue\.x-k8s\.io/v1beta2/namespaces/([^/]+)/workloads$")
 
@@ -71,7 +76,11 @@ class FakeKubernetes:
         trainer_status: dict | None = None,
         experiment_script: list[dict] | None = None,
         katib_trials: list[dict] | None = None,
+        optimization_script: list[dict] | None = None,
     ):
+        self.optimization_script = optimization_script or [{}]
+        self.optimization_jobs: dict[str, dict] = {}
+        self.on_optimization_job = None  # called with each created OptimizationJob
         self.experiment_script = experiment_script or [{}]
         self.katib_trials = katib_trials or []
         self.experiments: dict[str, dict] = {}
@@ -127,6 +136,15 @@ class FakeKubernetes:
                 body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
                 fake.bodies.append(body)
                 name = body["metadata"]["name"]
+                if OPTIMIZATION_JOBS.match(urlparse(self.path).path):
+                    if name in fake.optimization_jobs:
+                        exists = {"kind": "Status", "code": 409, "reason": "AlreadyExists"}
+                        return self._send(409, {**exists, "status": "Failure"})
+                    body["metadata"]["uid"] = f"uid-{name}"
+                    fake.optimization_jobs[name] = {**body, "step": 0}
+                    if fake.on_optimization_job is not None:
+                        fake.on_optimization_job(body)
+                    return self._send(201, body)
                 if KATIB.match(urlparse(self.path).path):
                     fake.experiments[name] = {**body, "step": 0}
                     if fake.on_experiment is not None:
@@ -155,6 +173,9 @@ class FakeKubernetes:
                 k = KATIB.match(urlparse(self.path).path)
                 if k and fake.experiments.pop(k.group(3), None) is not None:
                     return self._send(200, {"kind": "Status", "status": "Success"})
+                o = OPTIMIZATION_JOBS.match(urlparse(self.path).path)
+                if o and fake.optimization_jobs.pop(o.group(2) or "", None) is not None:
+                    return self._send(200, {"kind": "Status", "status": "Success"})
                 m = JOBS.match(urlparse(self.path).path)
                 with fake.lock:
                     if not m or m.group(2) not in fake.jobs:
@@ -181,6 +202,9 @@ class FakeKubernetes:
                 m = RUNTIMES.match(url.path)
                 if m and "trainjob" in fake.served and m.group(1) in fake.runtimes:
                     return self._send(200, {"kind": "ClusterTrainingRuntime", "metadata": {}})
+                o = OPTIMIZATION_JOBS.match(url.path)
+                if o and o.group(2) in fake.optimization_jobs:
+                    return self._send(200, fake.optimization_job(o.group(2)))
                 k = KATIB.match(url.path)
                 if k and k.group(2) == "trials":
                     return self._send(200, {"items": fake.katib_trials})
@@ -221,6 +245,8 @@ class FakeKubernetes:
 
     def job(self, name: str) -> dict:
         obj = dict(self.jobs[name])
+        if "status" in obj:  # a trial TrainJob as its test made it
+            return obj
         conditions = self.script[min(self.steps[name], len(self.script) - 1)]
         if obj["kind"] == "TrainJob":
             done = any(c["type"] in ("Complete", "Failed") for c in conditions)
@@ -285,6 +311,13 @@ class FakeKubernetes:
             status = self.experiment_script[min(exp["step"], len(self.experiment_script) - 1)]
             exp["step"] += 1
         return {**{k: v for k, v in exp.items() if k != "step"}, "status": status}
+
+    def optimization_job(self, name: str) -> dict:
+        with self.lock:
+            job = self.optimization_jobs[name]
+            status = self.optimization_script[min(job["step"], len(self.optimization_script) - 1)]
+            job["step"] += 1
+        return {**{k: v for k, v in job.items() if k != "step"}, "status": status}
 
     def workloads(self, uid: str) -> list[dict]:
         """Kueue's Workload of the job with `uid`: QuotaReserved false while it is suspended."""

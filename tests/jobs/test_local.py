@@ -79,6 +79,25 @@ def test_workers_get_the_operator_environment(client, tmp_path):
     assert types == ["Created", "Running", "Succeeded"]
 
 
+@pytest.mark.parametrize(("contract", "key", "port"), [("jaxjob", "COORDINATOR_PORT", "6666"),
+                          ("trainjob", "JAX_COORDINATOR_ADDRESS", "127.0.0.1:29500")])  # fmt: skip
+def test_one_worker_opens_no_socket_for_a_port_it_never_uses(tmp_path, monkeypatch, contract,
+                                                             key, port):  # fmt: skip
+    """A TPU VM's sandbox refuses every TCP socket: a one-worker job's environment names the
+    engine's default port without probing for a free one."""
+    from kubejax.jobs import local
+
+    def refused():
+        raise OSError(97, "Address family not supported by protocol")
+
+    monkeypatch.setattr(local, "free_port", refused)
+    one = JAXJobClient("local", log_root=tmp_path / "logs", env_contract=contract)
+    spec = JAXJobSpec(name="one", image="i", command=_py(f"import os; print(os.environ['{key}'])"))
+    status = run_job(one, spec, timeout=30, polling_interval=0.05, delete="never", log=None)
+    assert status.state == SUCCEEDED
+    assert next(iter(one.get_job_logs("one", worker=0))).strip() == port
+
+
 def test_log_lines_are_prefixed_with_the_worker_index(tmp_path):
     lines = []
     c = JAXJobClient("local", log_root=tmp_path / "l", echo=lines.append)
@@ -242,6 +261,7 @@ time.sleep(120)
 """
 
 
+@pytest.mark.slow
 def test_a_launcher_killed_with_sigkill_leaves_no_orphan_worker(tmp_path):
     import subprocess
 

@@ -104,6 +104,7 @@ MINIMAL = JAXJobSpec(name="j", image="i", command=["python", "-m", "kubejax.trai
 
 
 @pytest.mark.parametrize("spec", [FULL, MINIMAL], ids=["full", "minimal"])
+@pytest.mark.slow
 def test_manifest_validates_against_the_crd(schema, spec):
     manifest = build_manifest(spec)
     jsonschema.validate(manifest, schema)

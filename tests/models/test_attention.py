@@ -65,6 +65,7 @@ CASES = [
 
 @pytest.mark.parametrize("impl", ["splash", "chunked"])
 @pytest.mark.parametrize(("name", "layout", "window"), CASES, ids=[c[0] for c in CASES])
+@pytest.mark.slow
 def test_an_implementation_equals_the_reference(impl, name, layout, window):
     tokens = _tokens(layout)
     q, k, v = _qkv()
@@ -77,6 +78,7 @@ def test_an_implementation_equals_the_reference(impl, name, layout, window):
         assert_close_to_scale(g, r, 1e-4, f"{impl} {name}: d{which}")
 
 
+@pytest.mark.slow
 def test_splash_pads_a_length_that_is_not_a_multiple_of_its_block():
     tokens = dataclasses.replace(_tokens("right"))
     q, k, v = (x[:, :100] for x in _qkv())
@@ -89,6 +91,7 @@ def test_splash_pads_a_length_that_is_not_a_multiple_of_its_block():
 
 
 @pytest.mark.parametrize("window", [None, 17])
+@pytest.mark.slow
 def test_the_cudnn_call_means_the_reference_mask(window):
     """cuDNN's arguments (causal, each row's length, the window's left side) run through XLA
     here: the same mask as the reference's on right-padded rows (a GPU runs them in cuDNN)."""
@@ -101,6 +104,7 @@ def test_the_cudnn_call_means_the_reference_mask(window):
     assert_close_to_scale(out, ref, 1e-2, "cudnn's mask")
 
 
+@pytest.mark.slow
 def test_a_subset_of_queries_and_shared_prompt_branches_fall_back():
     """The last layer's few queries go to the reference (a few rows of scores); prompt
     branches, which splash's segment ids cannot say, to the blocked path."""

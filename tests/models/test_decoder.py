@@ -46,6 +46,7 @@ def _ours(folder, task: str, num_labels: int = 3):
 @pytest.mark.parametrize("head", ["classification", "causal-lm"])
 @pytest.mark.parametrize("padding", ["right", "left"])
 @pytest.mark.parametrize("family", FAMILIES)
+@pytest.mark.slow
 def test_logits_match_transformers(tmp_path, family, padding, head):
     """The classifier's logits, and the language model's at every real token (padded
     positions' outputs are read by neither)."""
@@ -170,6 +171,7 @@ def test_unsupported_configs_are_refused_naming_what_is_allowed(tmp_path, change
 
 
 @pytest.mark.parametrize("family", FAMILIES)
+@pytest.mark.slow
 def test_export_loads_in_transformers_with_our_logits(tmp_path, family):
     """The classifier's exported folder: transformers' AutoModelForSequenceClassification loads
     it (config, weights, pad token) and gives our logits; our loader reads it back."""
@@ -210,6 +212,7 @@ def test_export_in_shards_when_over_the_shard_size(tmp_path, monkeypatch):
         np.testing.assert_array_equal(reloaded(**args).logits.numpy(), ref(**args).logits.numpy())
 
 
+@pytest.mark.slow
 def test_packed_rows_give_each_sequences_own_logits(tmp_path):
     """Evaluation packs several reviews to a row (segments, positions per review): a decoder
     classifier reads each review's last token, as for the review alone."""
@@ -231,6 +234,7 @@ def test_packed_rows_give_each_sequences_own_logits(tmp_path):
     assert_close_to_scale(packed, alone, 1e-5, "packed logits")
 
 
+@pytest.mark.slow
 def test_one_training_step_matches_torch(tmp_path):
     """The loss before and after one AdamW step (clipped, no weight decay) equals transformers'
     + torch's on the same weights and batch."""
@@ -271,6 +275,7 @@ def test_one_training_step_matches_torch(tmp_path):
 
 
 @pytest.mark.parametrize("family", ["mistral", "gemma3_text"])
+@pytest.mark.slow
 def test_answer_scores_equal_transformers_log_likelihoods(tmp_path, family):
     """A language model's evaluation scores every label's answer after the prompt in one pass
     (answers as branches that see the prompt and themselves): each score equals the sum of the
@@ -306,6 +311,7 @@ def test_answer_scores_equal_transformers_log_likelihoods(tmp_path, family):
     assert_close_to_scale(ours[real], expected[real], 1e-4, f"{family} answer scores")
 
 
+@pytest.mark.slow
 def test_the_answer_loss_equals_transformers_on_the_answer_tokens(tmp_path):
     """Training a language model: a batch of prompts with each row's answer after it
     (`dataset.with_answers`); the loss is the cross-entropy of the answer tokens alone, as

@@ -269,6 +269,7 @@ def test_a_gemma_sliding_window_pattern_must_be_a_positive_integer():
         DecoderConfig.from_dict({"model_type": "gemma3_text", "sliding_window_pattern": None})
 
 
+@pytest.mark.slow
 def test_reading_a_decoder_config_imports_neither_transformers_nor_torch(tmp_path):
     """Every trainer process and sweep trial reads one: transformers' import costs 1.7 s, 3.8 s
     where torch is installed."""

@@ -94,6 +94,7 @@ def test_fake_hub_single_file_repository_gives_one_weight_file(
     assert sorted(p.name for p in folder.iterdir()) == sorted(["config.json", *expected])
 
 
+@pytest.mark.slow
 def test_fake_hub_a_run_that_cannot_fit_is_refused_before_any_weight_is_fetched(
     tmp_path, monkeypatch, capsys, tiny_decoder_dir, prepared_decoder
 ):

@@ -41,6 +41,7 @@ def _adapted(folder, head: str):
 
 @pytest.mark.parametrize("head", ["classification", "causal-lm"])
 @pytest.mark.parametrize("family", list(TINY))
+@pytest.mark.slow
 def test_peft_loads_our_adapter_with_our_logits_and_the_merged_model_alone(tmp_path, family, head):
     from peft import PeftModel
     from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification
@@ -97,6 +98,7 @@ def test_lora_settings_that_cannot_apply_are_refused_naming_what_exists(tmp_path
     )  # fmt: skip
 
 
+@pytest.mark.slow
 def test_trainer_trains_the_adapters_and_head_only(tiny_decoder_dir, prepared_decoder, tmp_path):
     """peft=lora: the loss falls, the base's weights are the checkpoint's (the merged model
     differs from the base only by each adapter's A·B·scale), the optimizer state holds the
@@ -140,6 +142,7 @@ def test_trainer_trains_the_adapters_and_head_only(tiny_decoder_dir, prepared_de
 
 
 @pytest.mark.parametrize("qtype", ["int8", "nf4"])
+@pytest.mark.slow
 def test_quantized_kernels_come_back_within_their_step(qtype):
     """Each value returns within half a step of its code: absmax/254 for int8, half the
     widest gap between NF4 levels (0.152 of the block's absmax) for nf4."""
@@ -180,6 +183,7 @@ def test_a_checkpoint_loads_its_projections_quantized(tiny_decoder_dir, qtype):
         np.testing.assert_array_equal(ours[...], theirs[...], err_msg=str(path))
 
 
+@pytest.mark.slow
 def test_qlora_trains_like_lora_on_a_quantized_base(tiny_decoder_dir, prepared_decoder, tmp_path):
     """peft=qlora: the projections stored as int8 or nf4 codes (the frozen base's bytes, as
     measured and as planned, below LoRA's float32), the losses near LoRA's on the same run
@@ -228,6 +232,7 @@ def _adapted_bert(folder):
     return model
 
 
+@pytest.mark.slow
 def test_peft_loads_our_bert_adapter_with_our_logits_and_the_merged_model_alone(
     tiny_model_dir, tmp_path
 ):
@@ -268,6 +273,7 @@ def test_peft_loads_our_bert_adapter_with_our_logits_and_the_merged_model_alone(
     assert_close_to_scale(alone, expected, 1e-4, "bert merged")
 
 
+@pytest.mark.slow
 def test_lora_dropout_masks_the_adapters_inputs_in_training_only(tmp_path):
     """Training forwards (not deterministic) drop the adapters' inputs, differently under each
     key; evaluation, and a rate of 0, compute the undropped adapter."""
@@ -288,6 +294,7 @@ def test_lora_dropout_masks_the_adapters_inputs_in_training_only(tmp_path):
     assert np.array_equal(np.asarray(undropped), plain)
 
 
+@pytest.mark.slow
 def test_trainer_runs_lora_and_qlora_on_bert(tiny_model_dir, prepared, tmp_path):
     """peft=lora on BERT with lora_dropout: the adapter names BERT's modules and trains them,
     the classifier and the pooler; the merged model is the base plus B·A·scale; the optimizer

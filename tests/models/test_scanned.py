@@ -70,6 +70,7 @@ def _loss_and_grads(model, scan: bool, head: str, peft: str, spec=None):
        ("qwen2", "classification", "lora"), ("qwen3", "causal-lm", "qlora"),
        ("mistral", "classification", "qlora")],
 )  # fmt: skip
+@pytest.mark.slow
 def test_scanned_layers_equal_layers_one_by_one(tmp_path, family, head, peft):
     save_tiny(family, tmp_path, head=head)
     scanned = _loss_and_grads(_model(tmp_path, head, peft), True, head, peft)
@@ -82,6 +83,7 @@ def test_scanned_layers_equal_layers_one_by_one(tmp_path, family, head, peft):
 
 
 @pytest.mark.parametrize("family", ["gemma3_text", "qwen2"])
+@pytest.mark.slow
 def test_splash_in_the_model_equals_the_reference(tmp_path, family):
     """Gemma 3's local and global layers (two kinds in one scan: a switch between two splash
     kernels) and Qwen's grouped heads with biases, splash in Pallas's interpret mode against
@@ -123,6 +125,7 @@ def test_the_stacked_layout_loads_and_exports_every_layer(tmp_path):
     [("qwen2", "classification", "none"), ("qwen2", "classification", "lora"),
      ("llama", "causal-lm", "qlora"), ("gemma3_text", "causal-lm", "lora")],
 )  # fmt: skip
+@pytest.mark.slow
 def test_q_k_and_v_side_by_side_equal_them_one_by_one(tmp_path, monkeypatch, family, head, peft):
     """q, k and v as one product, their adapters as one (what a TPU runs): the loss and every
     gradient of what trains as each projection apart (a CPU's way); the classifier's last
@@ -146,6 +149,7 @@ def test_q_k_and_v_side_by_side_equal_them_one_by_one(tmp_path, monkeypatch, fam
         assert_close_to_scale(a, b, 1e-4, f"{family} gradient")
 
 
+@pytest.mark.slow
 def test_only_narrow_projections_share_a_product_and_only_off_the_cpu(monkeypatch):
     """The rule `side_by_side` follows: off the CPU, one of them narrow (Qwen2.5-0.5B's k and
     v: 128 outputs), no adapter dropout drawn; wide ones (Llama-3.2-1B's 512) stay apart."""

@@ -17,7 +17,7 @@ from flax import nnx  # noqa: E402
 from jax.sharding import NamedSharding, PartitionSpec  # noqa: E402
 
 from kubejax.models.kernels import matrices_in  # noqa: E402
-from kubejax.trainer import plan, sharding, steps  # noqa: E402
+from kubejax.trainer import plan, precision, sharding, steps  # noqa: E402
 from kubejax.trainer.config import TrainConfig  # noqa: E402
 from kubejax.trainer.train import make_mesh, make_optimizer, place_state  # noqa: E402
 
@@ -25,6 +25,7 @@ from kubejax.trainer.train import make_mesh, make_optimizer, place_state  # noqa
 def measure(settings: dict) -> tuple[int, int]:
     """(planned, compiled) bytes per device of one train step of `settings`."""
     cfg = TrainConfig(model="scratch", tokenizer="-", data_dir="-", output_dir="-", **settings)
+    cfg = plan.as_asked(precision.here(cfg))  # one batch, no remat: what the plan checks
     model_cfg = plan.model_config(cfg)
     planned = plan.plan_memory(cfg, model_cfg, 5, jax.device_count()).total
     mesh, _ = make_mesh(cfg)

@@ -84,6 +84,7 @@ def test_compilation_cache_lives_in_the_user_cache(tmp_path, monkeypatch):
     assert compile_cache.user_dir() == tmp_path / "mine" / "jax"
 
 
+@pytest.mark.slow
 def test_a_trainer_started_without_a_cache_keeps_its_programs_in_the_user_cache(
     tiny_model_dir, prepared, tmp_path
 ):

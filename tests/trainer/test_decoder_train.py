@@ -18,6 +18,7 @@ from tests.models.decoders import TINY, save_tiny
 
 
 @pytest.mark.parametrize("family", list(TINY))
+@pytest.mark.slow
 def test_each_family_fine_tunes_as_a_classifier(
     family, tiny_decoder_dir, prepared_decoder, tmp_path
 ):
@@ -44,6 +45,7 @@ def test_each_family_fine_tunes_as_a_classifier(
     assert result["examples"] == 300 and 0.0 <= result["accuracy"] <= 1.0
 
 
+@pytest.mark.slow
 def test_served_decoder_predicts_labels(tiny_decoder_dir, prepared_decoder, tmp_path):
     """The MLflow pyfunc model of a fine-tuned decoder: texts in, labels and probabilities out,
     the same as evaluation's predictions for those texts."""
@@ -62,6 +64,7 @@ def test_served_decoder_predicts_labels(tiny_decoder_dir, prepared_decoder, tmp_
     assert list(table["label"]) == [str(i + 1) for i in probs.argmax(1)]
 
 
+@pytest.mark.slow
 def test_causal_lm_fine_tunes_evaluates_and_serves(tiny_decoder_dir, prepared_prompts, tmp_path):
     """task causal-lm: the decoder learns to write each review's label after its prompt; the
     exported language model evaluates by scoring every label's answer, and the served model
@@ -128,6 +131,7 @@ def test_decoder_settings_refused_before_training(
     assert not (out / "model").exists() and not (out / "metrics.json").exists()
 
 
+@pytest.mark.slow
 def test_unrolled_layers_train_as_the_scanned_ones(
     tiny_decoder_dir, prepared_decoder, tmp_path, capsys
 ):
@@ -196,6 +200,7 @@ def test_on_a_tpu_the_layers_unroll_when_the_run_repays_the_compile(
     )
 
 
+@pytest.mark.slow
 def test_scan_layers_is_refused_for_bert(tiny_model_dir, prepared, tmp_path, capsys):
     out = tmp_path / "out"
     assert main(tiny_args(tiny_model_dir, prepared, out, scan_layers=False)) == 2
@@ -239,6 +244,7 @@ def test_a_label_without_answer_text_is_refused(tiny_decoder_dir, minilm_dir):
         answer_ids(load_tokenizer(str(tiny_decoder_dir), 64), ["good", " "])
 
 
+@pytest.mark.slow
 def test_a_fresh_decoder_draws_its_matrices_at_once():
     """A scratch decoder's matrices are N(0, 0.02²) cut from one draw per width: each its own
     values (no two layers, nor two matrices, alike), the same for the same seed; the vectors
@@ -279,6 +285,7 @@ def test_a_fresh_decoder_draws_its_matrices_at_once():
 
 
 @pytest.mark.parametrize("peft", ["none", "lora", "scratch", "bert"])
+@pytest.mark.slow
 def test_the_train_step_compiled_ahead_is_the_run_s(
     peft, tiny_decoder_dir, prepared_decoder, tiny_model_dir, prepared, tmp_path, monkeypatch,
     caplog,
@@ -314,6 +321,7 @@ def test_the_train_step_compiled_ahead_is_the_run_s(
     assert compiled == ["step-ahead"], said  # not even read from the cache by the run
 
 
+@pytest.mark.slow
 def test_a_run_refused_while_its_step_compiles_ahead_exits_2(
     tiny_decoder_dir, prepared_decoder, tmp_path
 ):

@@ -80,6 +80,7 @@ def test_a_negative_bucket_multiple_is_refused_and_zero_means_auto():
         cfg.validate(check_paths=False)
 
 
+@pytest.mark.slow
 def test_the_first_line_says_the_buckets_chosen(tmp_path, capsys, tiny_model_dir, prepared):
     out = tmp_path / "auto"
     flags = {"bucket_multiple": 0, "max_steps": 2, "checkpoint_every": 2, "save_final": False}
@@ -88,6 +89,10 @@ def test_the_first_line_says_the_buckets_chosen(tmp_path, capsys, tiny_model_dir
     assert first.startswith("kubejax trainer: 1 process(es), 1 cpu device(s)")
     # Two steps: one compile is worth more than the padding of two batches.
     assert first.endswith("; buckets: one shape of 64 tokens (auto, cpu)"), first
-    # The multiple the run used is the one logged and kept with its checkpoints.
+    # dtype auto, pinned by the suite (conftest): the choice and why, in the same line.
+    assert "; dtype float32, weights float32 (auto: KUBEJAX_AUTO_DTYPE=float32); " in first
+    # The multiple the run used is the one logged and kept with its checkpoints, and so are
+    # the dtypes `auto` resolved to.
     meta = json.loads(next((out / "checkpoints").glob("*/meta/metadata")).read_text())
     assert meta["config"]["bucket_multiple"] == 64
+    assert (meta["config"]["dtype"], meta["config"]["param_dtype"]) == ("float32", "float32")

@@ -45,6 +45,7 @@ def _model(model_dir, deep: bool = False, **settings):
     return classifier_for(cfg, 5)[0], cfg
 
 
+@pytest.mark.slow
 def test_remat_keeps_the_gradients_and_recomputes_what_its_policy_drops(tiny_decoder_dir):
     """The backward pass recomputes what `remat` does not keep: the attention's scores with
     `minimal` (the projections' outputs and the attention's are kept), every product with
@@ -75,6 +76,7 @@ def test_remat_keeps_the_gradients_and_recomputes_what_its_policy_drops(tiny_dec
     assert products["full"] - products["none"] == 8 * copies, products
 
 
+@pytest.mark.slow
 def test_bfloat16_weights_train_with_float32_moments(tiny_decoder_dir):
     losses = {}
     for param_dtype in ("float32", "bfloat16"):
@@ -110,7 +112,10 @@ def test_bfloat16_weights_train_with_float32_moments(tiny_decoder_dir):
     ("settings", "expected"),
     [
         ({"remat": "some"}, "remat: 'some' is not one of none, minimal, full"),
-        ({"param_dtype": "float16"}, "param_dtype: 'float16' is not one of float32, bfloat16"),
+        (
+            {"param_dtype": "float16"},
+            "param_dtype: 'float16' is not one of float32, bfloat16, auto",
+        ),
     ],
 )
 def test_bad_memory_settings_are_named(settings, expected):

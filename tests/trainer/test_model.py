@@ -48,6 +48,7 @@ def _ours(model_dir, num_labels=5):
     return model, fresh
 
 
+@pytest.mark.slow
 def test_minilm_last_hidden_state_matches_transformers(minilm_dir):
     model, fresh = _ours(minilm_dir)
     assert fresh == ["classifier"]  # the checkpoint has a pooler, no head
@@ -69,6 +70,7 @@ def _small_config(**overrides) -> BertConfig:
     return BertConfig(**{**sizes, **overrides})
 
 
+@pytest.mark.slow
 def test_random_small_config_matches_transformers(tmp_path):
     cfg = _small_config()
     ref = BertForSequenceClassification(cfg).eval()  # random init, num_labels 2
@@ -88,6 +90,7 @@ def test_random_small_config_matches_transformers(tmp_path):
     assert_close_to_scale(logits, out.logits.numpy(), 1e-4, "logits")
 
 
+@pytest.mark.slow
 def test_gradients_match_transformers_backward(tmp_path):
     # Every parameter's gradient of the classification loss, ours (with the dense layers' own
     # backward, model.dense) against torch autograd through transformers' model.
@@ -121,6 +124,7 @@ def test_gradients_match_transformers_backward(tmp_path):
         assert_close_to_scale(grad, expected[name], 1e-4, name)
 
 
+@pytest.mark.slow
 def test_cls_only_last_layer_equals_full_computation(minilm_dir):
     model, _ = _ours(minilm_dir)
     ids, mask = _inputs(30522)
@@ -131,6 +135,7 @@ def test_cls_only_last_layer_equals_full_computation(minilm_dir):
     assert_close_to_scale(cls[:, 0], full[:, 0], 1e-5, "[CLS] state")
 
 
+@pytest.mark.slow
 def test_packed_rows_give_each_sequence_the_logits_it_has_alone(minilm_dir):
     # Several reviews a row: each attends to itself alone, from position 0, and is classified
     # from its own [CLS]; an empty slot or a row of padding stays finite.
@@ -167,6 +172,7 @@ def test_packed_rows_give_each_sequence_the_logits_it_has_alone(minilm_dir):
     )
 
 
+@pytest.mark.slow
 def test_folded_cls_attention_equals_keys_and_values_under_dropout(minilm_dir):
     # The last layer's [CLS] attention folds its query into the key and value weights; with
     # the same dropout mask it equals attention through every position's keys and values.
@@ -189,6 +195,7 @@ def test_folded_cls_attention_equals_keys_and_values_under_dropout(minilm_dir):
     assert_close_to_scale(folded, full, 2e-5, "[CLS] attention")
 
 
+@pytest.mark.slow
 def test_pytorch_bin_with_bert_prefix_loads(tmp_path, minilm_dir):
     ref = BertModel.from_pretrained(str(minilm_dir))
     state = {f"bert.{k}": v for k, v in ref.state_dict().items()}
@@ -207,6 +214,7 @@ def test_pytorch_bin_with_bert_prefix_loads(tmp_path, minilm_dir):
     )
 
 
+@pytest.mark.slow
 def test_saved_model_folder_loads_in_transformers_and_back(tmp_path, minilm_dir):
     model, _ = _ours(minilm_dir, num_labels=3)
     weights.save_model_dir(model, tmp_path / "m", ["neg", "mid", "pos"], minilm_dir, max_length=64)
@@ -221,6 +229,7 @@ def test_saved_model_folder_loads_in_transformers_and_back(tmp_path, minilm_dir)
     assert_close_to_scale(hf_logits.numpy(), logits, 1e-4, "transformers' logits")
 
 
+@pytest.mark.slow
 def test_the_trainer_imports_neither_transformers_nor_torch():
     # Every sweep trial pays its imports; transformers (and torch through it) cost over 2 s.
     code = (
@@ -260,6 +269,7 @@ def test_checkpoint_folder_problems_are_named(tmp_path):
         weights.resolve_model_dir(str(tmp_path / "missing" / "model"))
 
 
+@pytest.mark.slow
 def test_the_cpu_evaluation_step_keeps_xlas_default_ynnpack_fusions(minilm_dir):
     # Asking XLA for YNNPACK's products alone, as the evaluation step once did, measured slower
     # (float32 1 %, bfloat16 7 %; bench/NOTES.md, attempt 42) than its default fusions, which
@@ -289,6 +299,7 @@ def test_the_cpu_evaluation_step_keeps_xlas_default_ynnpack_fusions(minilm_dir):
     assert any({"dot", "exponential"} <= ops for ops in kinds), kinds
 
 
+@pytest.mark.slow
 def test_the_cpu_train_step_gives_ynnpack_every_weight_gradient_product(minilm_dir):
     # XLA derives a dense layer's weight gradient (and the attention's key and value gradients)
     # as a product contracting the token axis of both operands, which YNNPACK does not take;
@@ -329,6 +340,7 @@ def test_the_cpu_train_step_gives_ynnpack_every_weight_gradient_product(minilm_d
     assert len(re.findall(r"__ynn_fusion", hlo)) > 20
 
 
+@pytest.mark.slow
 def test_bfloat16_products_sum_in_float32(minilm_dir):
     # XLA's CPU backend runs a bfloat16 product in YNNPACK's bfloat16 kernels only when it asks
     # for a float32 result: with a bfloat16 result it ran no faster than float32 (model.product;
@@ -394,6 +406,7 @@ def _bfloat16_gradient_jaxpr(model_dir, length: int) -> tuple[weights.BertConfig
     return cfg, str(jax.make_jaxpr(jax.grad(loss))(params))
 
 
+@pytest.mark.slow
 def test_a_bfloat16_model_casts_the_embedding_rows_it_takes_not_the_tables(minilm_dir):
     # nnx.Embed casts its whole table to the compute dtype: a 30,522 x 384 convert every
     # bfloat16 step, and the gradient scattered into a zeroed table of its own for every piece
@@ -405,6 +418,7 @@ def test_a_bfloat16_model_casts_the_embedding_rows_it_takes_not_the_tables(minil
     assert f"bf16[3,32,{cfg.hidden_size}] = convert_element_type" in text
 
 
+@pytest.mark.slow
 def test_a_bfloat16_model_computes_its_activation_in_float32(minilm_dir):
     # In bfloat16 every intermediate of the GELU and of its gradient was rounded to bfloat16
     # and back, a dozen converts an element that XLA's CPU backend keeps (bench/NOTES.md,
@@ -443,6 +457,7 @@ def test_off_cpu_bfloat16_products_return_bfloat16(monkeypatch):
     assert len(off_cpu) == len(on_cpu) and set(off_cpu) == {("bf16", "bf16", "bf16")}, off_cpu
 
 
+@pytest.mark.slow
 def test_a_bfloat16_model_gives_the_float32_models_logits_and_gradients(minilm_dir):
     # The compute dtype of the compiled pipeline's training (parameters stay float32): the same
     # loss, logits and gradients as float32 up to bfloat16's 8 bits of precision.
@@ -499,6 +514,7 @@ def _tiny_classifier(dropout: float = 0.0):
     return BertClassifier(cfg, 5, rngs=nnx.Rngs(0))
 
 
+@pytest.mark.slow
 def test_a_batch_in_pieces_gives_the_whole_batchs_gradients_and_logits():
     # On CPU the steps run a device's batch in pieces of CPU_PIECE_TOKENS tokens; the mean of
     # the pieces' gradients is the batch's (equal pieces), the logits are the same rows'.
@@ -542,6 +558,7 @@ def test_a_batch_in_pieces_gives_the_whole_batchs_gradients_and_logits():
     )
 
 
+@pytest.mark.slow
 def test_the_cpu_train_step_keeps_its_temporaries_to_a_piece(monkeypatch):
     import optax
 
@@ -602,6 +619,7 @@ def test_dropout_zeroes_the_rate_and_keeps_the_mean():
     assert np.array_equal(np.asarray(Dropout(0.1)(x, deterministic=True, rngs=None)), x)
 
 
+@pytest.mark.slow
 def test_off_cpu_dropout_bits_are_the_cpu_bits(monkeypatch):
     # Off CPU each element hashes its own half-word (so XLA can fuse the mask): the same bits.
     import jax
@@ -615,6 +633,7 @@ def test_off_cpu_dropout_bits_are_the_cpu_bits(monkeypatch):
         assert np.array_equal(np.asarray(dropout_bits(jax.random.key(5), shape)), expected)
 
 
+@pytest.mark.slow
 def test_softmax_dropout_equals_softmax_then_dropout_and_its_gradient():
     # The fused attention probabilities (used off CPU) against JAX's softmax and `Dropout`
     # under the same key, values and gradient, in float32 and in bfloat16.
@@ -654,6 +673,7 @@ def test_softmax_dropout_equals_softmax_then_dropout_and_its_gradient():
         )
 
 
+@pytest.mark.slow
 def test_off_cpu_training_gives_the_cpu_forms_loss_and_gradients(monkeypatch):
     # Off CPU the attention's probabilities come from `softmax_dropout`, the products return
     # the operands' dtype and the dropout bits are elementwise: with the same dropout masks,

@@ -78,6 +78,7 @@ def _packed(split: TokenizedSplit, answers, capacity: int = 64) -> dict:
         ("gemma3_text", "causal-lm"),
     ],
 )
+@pytest.mark.slow
 def test_a_packed_step_gives_the_unpacked_steps_loss_and_gradients(family, task):
     split = _split()
     answers = ANSWERS if task == "causal-lm" else None
@@ -178,6 +179,7 @@ def test_the_first_fit_window_keeps_rows_open_and_closes_the_fullest():
 
 
 @pytest.mark.parametrize("task", ["classification", "causal-lm"])
+@pytest.mark.slow
 def test_training_with_packing_runs_end_to_end(
     task, tmp_path, capsys, tiny_model_dir, prepared, tiny_decoder_dir, prepared_prompts
 ):
@@ -244,6 +246,7 @@ print(json.dumps(out))
 """
 
 
+@pytest.mark.slow
 def test_a_packed_step_on_two_devices_is_the_one_device_step():
     # Each device's rows hold a different number of reviews: the step's mean is still over
     # all of them (each device's sums divided by the step's totals), micro-batches included.

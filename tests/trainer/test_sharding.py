@@ -71,6 +71,7 @@ def sharded_runs(tiny_decoder_dir):
 
 
 @pytest.mark.parametrize("mesh", ["fsdp=4", "fsdp=2,tensor=2", "data=2,tensor=2"])
+@pytest.mark.slow
 def test_sharded_steps_equal_the_replicated_ones(sharded_runs, mesh):
     base, run = sharded_runs[""], sharded_runs[mesh]
     assert run["devices"] == 4
@@ -82,6 +83,7 @@ def test_sharded_steps_equal_the_replicated_ones(sharded_runs, mesh):
 
 
 @pytest.mark.parametrize(("mesh", "share"), [("fsdp=4", 0.25), ("fsdp=2,tensor=2", 0.25)])
+@pytest.mark.slow
 def test_each_device_holds_its_share(sharded_runs, mesh, share):
     """Loaded straight into shards, trained in them: the weight matrices a quarter each, the
     moments likewise; only vectors (norms) and the 5-label head stay whole."""
@@ -117,6 +119,7 @@ def _trainer(args: list[str], devices: int = 4) -> None:
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
 
 
+@pytest.mark.slow
 def test_trainer_resumes_on_another_mesh_and_exports(tiny_decoder_dir, prepared_decoder, tmp_path):
     """Saved on fsdp=4, resumed on fsdp=2 × tensor=2: the steps after the checkpoint give the
     uninterrupted run's losses; the model folder is gathered from the shards."""
@@ -203,6 +206,7 @@ def test_two_processes_give_one_process_losses(
         assert np.abs(ours[name] - value).max() <= 2e-4 * np.abs(value).max(), name
 
 
+@pytest.mark.slow
 def test_lora_on_a_sharded_mesh_gives_the_replicated_losses(
     tiny_decoder_dir, prepared_prompts, tmp_path
 ):

@@ -177,7 +177,7 @@ BAD_INPUTS = [
     ("unknown dtype", {"dtype": "float8"}, "dtype:"),
     ("label above num_labels", {"num_labels": 2}, "num_labels:"),
     ("batch larger than data", {"global_batch_size": 100000}, "global_batch_size:"),
-    ("accumulation not dividing the batch", {"grad_accum_steps": 3}, "global_batch_size:"),
+    ("accumulation not dividing the batch", {"grad_accum_steps": 3}, "grad_accum_steps: 3"),
     ("unknown schedule", {"schedule": "step"}, "schedule:"),
     ("learning rate not a number", {"learning_rate": "nan"}, "learning_rate: must be a finite"),
     ("infinite warmup", {"warmup_ratio": "inf"}, "warmup_ratio: must be a finite"),
@@ -228,6 +228,7 @@ def test_batch_not_divisible_by_two_workers_fails_the_job(tmp_path, tiny_model_d
     assert "global_batch_size: 9" in err.value.log_tail
 
 
+@pytest.mark.slow
 def test_gradient_accumulation_equals_the_whole_batch(tmp_path, tiny_model_dir, prepared):
     # SGD, whose updates are the gradients scaled: AdamW's first steps are near sign(g), so an
     # element whose gradient is near zero turns rounding (one product over the batch against
@@ -264,6 +265,7 @@ def sixteen_rows(tmp_path_factory, prepared) -> Path:
 
 
 @pytest.mark.parametrize("optimizer", sorted(OPTIMIZER_LR))
+@pytest.mark.slow
 def test_each_optimizer_lowers_the_loss(optimizer, tmp_path, tiny_model_dir, sixteen_rows):
     out = tmp_path / optimizer
     lr = OPTIMIZER_LR[optimizer]
@@ -276,6 +278,7 @@ def test_each_optimizer_lowers_the_loss(optimizer, tmp_path, tiny_model_dir, six
     assert meta["config"]["optimizer"] == optimizer
 
 
+@pytest.mark.slow
 def test_adams_first_moment_in_bfloat16_trains(tmp_path, tiny_model_dir, sixteen_rows):
     """`mu_dtype` bfloat16: the first moment held in bfloat16, the second in float32, and the
     tiny model learns as with float32 moments (the same margin as the optimizers' test)."""
@@ -301,6 +304,7 @@ def test_adams_first_moment_in_bfloat16_trains(tmp_path, tiny_model_dir, sixteen
     assert metrics["final"]["eval_loss"] < first - 0.03, (first, metrics["final"])
 
 
+@pytest.mark.slow
 def test_without_save_final_a_run_keeps_no_final_checkpoint_and_no_model(
     tmp_path, capsys, tiny_model_dir, sixteen_rows
 ):
@@ -321,6 +325,7 @@ def test_without_save_final_a_run_keeps_no_final_checkpoint_and_no_model(
     assert not (out / "model").exists()
 
 
+@pytest.mark.slow
 def test_evaluation_compiled_ahead_is_not_compiled_again(
     tmp_path, monkeypatch, caplog, tiny_model_dir, sixteen_rows
 ):
@@ -401,6 +406,7 @@ def _on_two_cpu_devices(script: str) -> dict:
 
 
 @pytest.mark.parametrize("accum", [1, 2])
+@pytest.mark.slow
 def test_data_parallel_gradients_are_averaged_as_one_buffer(accum):
     # Two devices in one process stand for two workers. Left to the partitioner, the gradients
     # went into one all-reduce of every tensor (105 for MiniLM): over gloo, 0.52 s a step
@@ -443,6 +449,7 @@ print(json.dumps(out))
 """
 
 
+@pytest.mark.slow
 def test_evaluation_in_pieces_on_two_devices_keeps_every_rows_logits():
     # Each device's rows are cut into pieces inside the compiled step; the pieces must keep
     # every row on its own device and the logits in row order.
@@ -477,6 +484,7 @@ print(json.dumps({"devices": jax.device_count(), "got": got.tolist(),
 """
 
 
+@pytest.mark.slow
 def test_predictions_on_two_devices_keep_every_row_and_a_short_last_batch():
     # A last batch with fewer rows than a power of two per device once failed to shard.
     out = _on_two_cpu_devices(_TWO_DEVICE_PREDICT)
@@ -484,6 +492,7 @@ def test_predictions_on_two_devices_keep_every_row_and_a_short_last_batch():
     assert_close_to_scale(np.asarray(out["got"]), np.asarray(out["alone"]), 1e-5, "logits")
 
 
+@pytest.mark.slow
 def test_bfloat16_predictions_cast_the_weights_once_not_in_every_batch(monkeypatch):
     # The evaluation step converted every float32 matrix to bfloat16 in each batch it ran
     # (bench/NOTES.md, attempt 41): prediction hands it the matrices in the compute dtype
@@ -539,6 +548,7 @@ print(json.dumps({"asked": asked, "devices": jax.device_count(), "cores": cpu_co
     [("fresh", 64, {}), ("fresh", 32, {}), ("started", 64, {}),
      ("fresh", 64, {"JAX_NUM_CPU_DEVICES": "1"})],
 )  # fmt: skip
+@pytest.mark.slow
 def test_evaluation_takes_a_cpu_device_per_core_only_where_asked(case, batch, env):
     run = subprocess.run(
         [sys.executable, "-c", _CPU_DEVICES, case, str(batch)],
@@ -556,6 +566,7 @@ def test_evaluation_takes_a_cpu_device_per_core_only_where_asked(case, batch, en
     assert out["devices"] == (int(env["JAX_NUM_CPU_DEVICES"]) if env else wanted)
 
 
+@pytest.mark.slow
 def test_resume_refuses_a_checkpoint_of_another_optimizer(
     tmp_path, capsys, tiny_model_dir, prepared
 ):
@@ -567,6 +578,7 @@ def test_resume_refuses_a_checkpoint_of_another_optimizer(
     assert "optimizer: 'lion', but the checkpoint at step 2" in err and "'adamw'" in err
 
 
+@pytest.mark.slow
 def test_resume_takes_this_runs_learning_rate_schedule_and_weight_decay(
     tmp_path, tiny_model_dir, prepared
 ):
@@ -616,12 +628,14 @@ def test_optimizer_settings_apply_only_where_they_mean_something():
 
 @pytest.mark.parametrize(("devices", "accum"), [(1, 8), (2, 4), (4, 2), (8, 1)])
 def test_gradient_accumulation_rises_until_the_micro_batch_fits(devices, accum):
-    cfg = TrainConfig(global_batch_size=32, max_micro_batch=4)
+    # An explicit count rises to the cap (`auto`'s counts keep to it: test_plan_auto.py).
+    cfg = TrainConfig(global_batch_size=32, max_micro_batch=4, grad_accum_steps=1)
     cfg.fit_to_devices(devices)
     assert cfg.grad_accum_steps == accum
     assert 32 // accum // devices <= 4
 
 
+@pytest.mark.slow
 def test_rows_longer_than_the_models_positions_are_refused(tmp_path, capsys, minilm_dir, prepared):
     """Data prepared at max_length 64 and a model of 32 positions: refused before training
     (positions past the table would otherwise train on NaN)."""
@@ -646,6 +660,7 @@ def test_rows_longer_than_the_models_positions_are_refused(tmp_path, capsys, min
     )
 
 
+@pytest.mark.slow
 def test_a_diverging_loss_stops_the_run_naming_the_step(tmp_path, capsys, tiny_model_dir, prepared):
     out = tmp_path / "out"
     flags = {"optimizer": "sgd", "learning_rate": 1e8, "max_grad_norm": 0, "warmup_ratio": 0.0}
@@ -670,6 +685,7 @@ def _file_size_limit(limit_kib: int, cmd: list[str]) -> list[str]:
     return ["bash", "-c", f'trap "" XFSZ; ulimit -f {limit_kib}; exec "$@"', "limit", *cmd]
 
 
+@pytest.mark.slow
 def test_a_full_disk_during_a_checkpoint_write_keeps_the_previous_one(
     tmp_path, tiny_model_dir, prepared
 ):
@@ -695,6 +711,7 @@ def test_a_full_disk_during_a_checkpoint_write_keeps_the_previous_one(
     assert json.loads((out / "metrics.json").read_text())["final"]["steps"] == 8
 
 
+@pytest.mark.slow
 def test_an_unreadable_checkpoint_falls_back_to_the_one_before(
     tmp_path, capsys, tiny_model_dir, prepared
 ):
@@ -766,6 +783,7 @@ def test_an_error_building_a_model_is_not_called_a_bad_checkpoint(
         trainer_main(tiny_args(minilm_dir, prepared, tmp_path / "out", **flags))
 
 
+@pytest.mark.slow
 def test_validation_packs_short_reviews_and_gives_each_its_own_loss():
     # The trainer's validation packs reviews several to a row, as prediction does: the loss and
     # accuracy must be those of each review run alone, in fewer rows than reviews.

@@ -150,6 +150,7 @@ def test_reporting_is_on_only_where_trainer_asks_for_it(tmp_path, capsys):
     assert "its CA certificate" in capsys.readouterr().err
 
 
+@pytest.mark.slow
 def test_fake_trainjob_worker_zero_reports_its_progress(
     server, tmp_path, monkeypatch, tiny_model_dir, prepared
 ):

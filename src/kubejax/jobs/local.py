@@ -52,6 +52,11 @@ _LOG_TAIL = 40
 _RECORD = "job.json"
 
 
+#: The coordinator's port each engine gives a job (the JAXJob's `jaxjob-port` default, the
+#: TrainJob JAX plugin's): what a one-worker local job's environment names.
+ENGINE_PORTS = {"jaxjob": 6666, "trainjob": 29500}
+
+
 def free_port() -> int:
     """A TCP port free on 127.0.0.1 right now."""
     with socket.socket() as s:
@@ -245,7 +250,10 @@ class _LocalJob:
                     self.echo(f"[worker-{index}] {line.rstrip()}")
 
     def _start_group(self) -> None:
-        port = free_port()
+        # One worker never opens the coordinator's port: the engine's default stands in, and
+        # no socket is opened (a TPU VM's sandbox refuses every TCP socket, loopback too).
+        one = self.spec.replicas == 1
+        port = ENGINE_PORTS[self.env_contract] if one else free_port()
         cwd = self.spec.working_dir or None
         self.procs, self.readers = [], []
         for i in range(self.spec.replicas):

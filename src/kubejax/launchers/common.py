@@ -269,16 +269,22 @@ def check_mesh(cfg: TrainConfig, shape: tpu.SliceShape) -> None:
 
 
 def check_job(
-    cfg: TrainConfig, replicas: int, pod: dict, shape: tpu.SliceShape | None = None
+    cfg: TrainConfig,
+    replicas: int,
+    pod: dict,
+    shape: tpu.SliceShape | None = None,
+    model_cfg=None,
 ) -> None:
     """The mesh against the job's devices (replicas × the pods' GPUs or TPU chips, one device a
     CPU pod; on a TPU slice, named with it), the memory plan against the device's memory
-    (`kubejax.trainer.plan.check_job`, which reads the chip's from the TPU node selector)."""
+    (`kubejax.trainer.plan.check_job`, which reads the chip's from the TPU node selector and
+    settles `auto` micro-batches and remat as the trainer will), from `model_cfg` where given
+    (the model's config.json read by `plan.model_config_file`)."""
     from kubejax.trainer import plan  # JAX, for the mesh and the shapes: only when checking
 
     if shape is not None:
         check_mesh(cfg, shape)
-    plan.check_job(cfg, replicas, devices_per_pod(pod), pod.get("node_selector"))
+    plan.check_job(cfg, replicas, devices_per_pod(pod), pod.get("node_selector"), model_cfg)
 
 
 def devices_per_pod(pod: dict) -> int:

@@ -19,6 +19,10 @@ from kubejax.tune import katib
 from kubejax.tune.controller import SweepConfig, SweepResult, TrialSpecFactory, tag_trial_run
 from kubejax.tune.space import SweepError, lowest_point
 
+#: The job name a trial template is rendered with, then replaced by Katib's trial-name
+#: placeholder: a valid job name that no path or setting of a sweep holds.
+TRIAL_NAME_STAND_IN = "kubejax-katib-trial-name"
+
 
 def trial_job(
     cfg: SweepConfig, factory: TrialSpecFactory, engine: str, trials_root: str
@@ -34,12 +38,13 @@ def trial_job(
                 "which Katib cannot substitute; search it with tuner=optuna"
             )
     trial = katib.placeholder(katib.TRIAL_NAME)
-    spec = factory(trial, lowest_point(cfg.space), f"{trials_root}/{trial}", cfg.study_name)
+    spec = factory(trial, lowest_point(cfg.space), f"{trials_root}/{trial}", TRIAL_NAME_STAND_IN)
     manifest = build_trainjob_manifest(spec) if engine == "trainjob" else build_manifest(spec)
     manifest["metadata"].pop("name")
     manifest["metadata"].pop("namespace", None)
-    # The study's name stands for the trial's job name (its labels, its MLflow tags).
-    manifest = json.loads(json.dumps(manifest).replace(cfg.study_name, trial))
+    # The stand-in is the trial's job name (its labels, its MLflow tags); the study's name,
+    # which the workspace's data and trials folders hold, is left as it is.
+    manifest = json.loads(json.dumps(manifest).replace(TRIAL_NAME_STAND_IN, trial))
     container = (
         manifest["spec"]["trainer"]
         if engine == "trainjob"

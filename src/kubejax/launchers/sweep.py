@@ -32,9 +32,10 @@ from kubejax.launchers.common import (
     worker_env,
 )
 from kubejax.launchers.katib import sweep_with_katib
+from kubejax.launchers.optimizationjob import sweep_with_optimizationjob
 from kubejax.outputs import read_metrics
 from kubejax.trainer.config import TrainConfig
-from kubejax.tune import katib, ray_tune
+from kubejax.tune import katib, optimizationjob, ray_tune
 from kubejax.tune.controller import (
     SweepConfig,
     SweepResult,
@@ -151,7 +152,11 @@ def sweep_with_jaxjobs(
         fixed=hyperparameters,
         log=log,
     )
+    if cfg.tuner == "optimizationjob":
+        optimizationjob.check_sweep(cfg)  # before any cluster is asked
     client = JAXJobClient(backend)
+    if cfg.tuner == "optimizationjob":
+        optimizationjob.check_sweep(cfg, client.engine)
     if cfg.tuner == "katib":
         katib.check_sweep(cfg, client.engine)
         hyperparameters = {**hyperparameters, "katib_metrics": True}
@@ -169,9 +174,10 @@ def sweep_with_jaxjobs(
         mlflow_tracking_uri,
         mlflow_experiment,
         run_name=cfg.study_name,
-        # Under KFP's MLflow integration the sweep nests under the task's run.
-        parent_run_id=tracking.kfp_task_run() or None,
         tags=tracking.kfp_tags({"kubejax.step": "tune-sweep", **(tags or {})}),
+        # Under KFP's MLflow integration the sweep logs into the task's run, its trials
+        # nested under it.
+        **tracking.kfp_task_tracking(mlflow_tracking_uri),
     )
     tracker.log_params({"sweep": _sweep_params(cfg), "fixed": hyperparameters})
     factory = trainer_trial_spec(
@@ -192,6 +198,10 @@ def sweep_with_jaxjobs(
     try:
         if cfg.tuner == "katib":
             result = sweep_with_katib(
+                cfg, factory, client, trials_root, tracker=tracker, replicas=replicas, log=log
+            )
+        elif cfg.tuner == "optimizationjob":
+            result = sweep_with_optimizationjob(
                 cfg, factory, client, trials_root, tracker=tracker, replicas=replicas, log=log
             )
         elif cfg.tuner == "ray":
@@ -273,7 +283,9 @@ def point_error(
 ) -> InfeasibleError | None:
     """Why the devices cannot run a trial of `point` (the mesh, the accelerator, the memory
     plan), or None: the trainer's settings (`hyperparameters` and the point's) checked on the
-    point's resources, a searched resource the point lacks at its most."""
+    point's resources, a searched resource the point lacks at its most. Micro-batches and remat
+    left `auto` are settled as the trial's trainer will settle them (`plan.fit_memory`): a
+    point that fits in more micro-batches, or under a remat policy, runs."""
     point = dict(point)
     for name in RESOURCE_PARAMS:
         entry = space.get(name)

@@ -34,7 +34,7 @@ import numpy as np
 from flax import nnx
 from jax.ad_checkpoint import checkpoint_name
 
-from kubejax.models import attention, hf_config
+from kubejax.models import attention, chunked_head, hf_config
 from kubejax.models.kernels import linear, product
 from kubejax.models.partitioning import constrain
 from kubejax.models.projection import Projection
@@ -749,9 +749,12 @@ class DecoderLM(nnx.Module):
         self.model = DecoderModel(cfg, dtype, rngs)
         tied = cfg.tie_word_embeddings
         self.lm_head = None if tied else Linear(cfg.hidden_size, cfg.vocab_size, False, dtype, rngs)
+        # Words a chunk of `target_log_probs` (None: `chunked_head.chunk_columns`'s).
+        self.vocab_chunk: int | None = None
 
     def head(self, hidden: jax.Array) -> jax.Array:
-        """Vocabulary logits in float32 of hidden states [..., hidden]."""
+        """Vocabulary logits in float32 of hidden states [..., hidden] (whole: for a few
+        tokens; a loss over many reads `target_log_probs`)."""
         if self.lm_head is None:
             table = self.model.embed_tokens.embedding[...].astype(hidden.dtype)
             logits = product(hidden, table.T).astype(jnp.float32)
@@ -774,8 +777,40 @@ class DecoderLM(nnx.Module):
         """Vocabulary logits [batch, length, vocab] (float32); with `at` [batch, q], only at
         those tokens ([batch, q, vocab]), the last layer computing those tokens alone. LoRA's
         dropout is drawn from `rngs` when not `deterministic`."""
+        return self.head(
+            self.hidden(
+                input_ids, attention_mask, positions=positions, branches=branches, at=at,
+                deterministic=deterministic, rngs=rngs,
+            )
+        )  # fmt: skip
+
+    def hidden(
+        self,
+        input_ids,
+        attention_mask,
+        *,
+        positions=None,
+        branches=None,
+        at=None,
+        deterministic=True,
+        rngs=None,
+    ) -> jax.Array:
+        """The final hidden states that `__call__` reads its logits from ([batch, length,
+        hidden], or [batch, q, hidden] at `at`)."""
         tokens = tokens_of(attention_mask, positions, branches)
-        return self.head(self.model(input_ids, tokens, at, dropout_key(deterministic, rngs)))
+        return self.model(input_ids, tokens, at, dropout_key(deterministic, rngs))
+
+    def target_log_probs(self, hidden: jax.Array, targets: jax.Array):
+        """Each target's log-probability [batch, q] (float32) given hidden states [batch, q,
+        hidden], and whether it is the most likely word: through the head a vocabulary chunk
+        at a time (`chunked_head.log_probs`), so that a loss over every token never holds their
+        whole float32 logits, forward or backward."""
+        if self.lm_head is None:
+            table = self.model.embed_tokens.embedding[...]
+        else:
+            table = self.lm_head.weight().T
+        cap = self.config.final_logit_softcapping
+        return chunked_head.log_probs(hidden, table, targets, cap, self.vocab_chunk)
 
     def label_scores(
         self, input_ids, segments, positions, branches, score_at, score_tokens, score_weights
@@ -785,9 +820,8 @@ class DecoderLM(nnx.Module):
         (`dataset.scoring_batches`). A softmax over them is the model's distribution over the
         labels, so they serve as a classifier's logits."""
         b, _, k, a = score_at.shape
-        logits = self(
+        hidden = self.hidden(
             input_ids, segments, positions=positions, branches=branches, at=score_at.reshape(b, -1)
         )
-        logp = jax.nn.log_softmax(logits, axis=-1).reshape(b, 1, k, a, -1)
-        picked = jnp.take_along_axis(logp, score_tokens[..., None], axis=-1)[..., 0]
-        return (picked * score_weights).sum(-1)
+        picked, _ = self.target_log_probs(hidden, score_tokens.reshape(b, -1))
+        return (picked.reshape(b, 1, k, a) * score_weights).sum(-1)

@@ -50,15 +50,33 @@ def constrain(x: jax.Array, *axes: str | None) -> jax.Array:
     """`x` pinned to the sharding its logical `axes` have on the mesh of the trace (the
     trainer's named mesh, `jax.sharding.use_abstract_mesh`); unchanged without one (one
     device, the data-parallel step)."""
+    mesh = _named_mesh()
+    if mesh is None:
+        return x
+    spec = [_mesh_axes(mesh, axis, dim) or None for axis, dim in zip(axes, x.shape, strict=True)]
+    return jax.lax.with_sharding_constraint(x, PartitionSpec(*spec))
+
+
+def ways(axis: str, dim: int) -> int:
+    """Over how many devices `constrain` splits a dimension of `dim` with the logical `axis` on
+    the trace's mesh (1 without one)."""
+    mesh = _named_mesh()
+    return 1 if mesh is None else math.prod(mesh.shape[a] for a in _mesh_axes(mesh, axis, dim))
+
+
+def _named_mesh():
+    """The trace's abstract mesh where it shards by name (FSDP, tensor), else None."""
     mesh = jax.sharding.get_abstract_mesh()
     if mesh.empty or not {"fsdp", "tensor"} & set(mesh.axis_names):
-        return x
-    spec = []
-    for axis, dim in zip(axes, x.shape, strict=True):
-        names = tuple(a for a in ACTIVATION_RULES.get(axis, ()) if mesh.shape.get(a, 1) > 1)
-        fits = names and dim % math.prod(mesh.shape[a] for a in names) == 0
-        spec.append(names if fits else None)
-    return jax.lax.with_sharding_constraint(x, PartitionSpec(*spec))
+        return None
+    return mesh
+
+
+def _mesh_axes(mesh, axis: str | None, dim: int) -> tuple[str, ...]:
+    """The mesh axes a dimension of `dim` with the logical `axis` splits over: its rule's axes
+    of more than one device, none where they do not divide it."""
+    names = tuple(a for a in ACTIVATION_RULES.get(axis, ()) if mesh.shape.get(a, 1) > 1)
+    return names if names and dim % math.prod(mesh.shape[a] for a in names) == 0 else ()
 
 
 def path_name(path) -> str:

@@ -90,6 +90,11 @@ def load_config(model_dir: Path):
     config_file = model_dir / "config.json"
     if not config_file.is_file():
         raise FileNotFoundError(f"model: {model_dir} has no config.json")
+    return config_from_file(config_file)
+
+
+def config_from_file(config_file: Path):
+    """`load_config`'s config from the file itself (a config.json of any name)."""
     try:
         values = json.loads(config_file.read_text())
     except (UnicodeDecodeError, json.JSONDecodeError) as err:

@@ -22,7 +22,7 @@ import jax
 import numpy as np
 
 from kubejax.models.kernels import matrices_in
-from kubejax.trainer import distributed, sharding
+from kubejax.trainer import distributed, precision, sharding
 from kubejax.trainer.config import TrainConfig
 from kubejax.trainer.inputs import TrainData, eval_batches, train_batches
 from kubejax.trainer.model_setup import abstract_model, frozen_shardings, split_model
@@ -129,7 +129,8 @@ class EvaluationAhead:
         self.step, self.thread = eval_step, None
         if not (_accelerator() if on is None else on) or not len(data.val):
             return
-        shapes = jax.eval_shape(lambda p: matrices_in(p, cfg.dtype), params)
+        dtype = precision.here(cfg).dtype
+        shapes = jax.eval_shape(lambda p: matrices_in(p, dtype), params)
         abstract = _placed(shapes, jax.tree.map(lambda p: p.sharding, params))
         fn = getattr(eval_step, "func", eval_step)
         kwargs = getattr(eval_step, "keywords", {})

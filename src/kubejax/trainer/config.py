@@ -6,14 +6,19 @@ import argparse
 import dataclasses
 import json
 import math
+import os
 import re
+import sys
+import typing
+from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
 from kubejax.errors import KubejaxError
-from kubejax.flags import add_flags
+from kubejax.flags import OPTIMIZATION_ENV_PREFIX, add_flags, base_type
 from kubejax.flags import setting as _f
 from kubejax.tracking import resolve_uri
+from kubejax.trainer import precision
 
 SCHEDULES = ("linear", "cosine", "constant")
 OPTIMIZERS = ("adamw", "adafactor", "lion", "sgd")
@@ -28,7 +33,10 @@ OPTIMIZER_SETTINGS = {
     "decay_rate": ("adafactor",),
 }
 DTYPES = ("float32", "bfloat16")
-REMATS = ("none", "minimal", "full")
+#: `grad_accum_steps` and `remat` left to the memory plan (`kubejax.trainer.plan.fit_memory`).
+AUTO = "auto"
+#: The remat policies (`kubejax.models.decoder.REMAT_POLICIES`), and `auto`.
+REMATS = ("none", "minimal", "full", AUTO)
 #: The `attention` implementations (`kubejax.models.attention`).
 ATTENTIONS = ("auto", "xla", "chunked", "splash", "cudnn")
 PEFTS = ("none", "lora", "qlora")
@@ -69,11 +77,19 @@ class TrainConfig:
     epochs: float = _f(1.0, "passes over the training split (ignored when max_steps > 0)")
     max_steps: int = _f(0, "optimizer steps in all; 0 = from epochs")
     global_batch_size: int = _f(32, "examples per optimizer step, over all processes")
-    grad_accum_steps: int = _f(1, "micro-batches per optimizer step (global batch split evenly)")
+    grad_accum_steps: int | str = _f(
+        AUTO,
+        "micro-batches per optimizer step (the global batch split evenly; a count dividing each "
+        "device's share of it), or auto: one batch where the memory plan says it fits the "
+        "device, else the fewest micro-batches that fit (the trainer's first line says which "
+        "and why); an explicit count is kept, and refused where it does not fit",
+    )
     remat: str = _f(
-        "none",
+        AUTO,
         "decoders' activation checkpointing: none, minimal (keep the projections' outputs, "
-        "recompute attention and the rest) or full (keep each layer's input only)",
+        "recompute attention and the rest), full (keep each layer's input only), or auto: none, "
+        "or where no count of micro-batches fits the device without it, the cheapest policy "
+        "that fits (minimal, then full)",
     )
     scan_layers: bool | None = _f(
         None,
@@ -97,8 +113,9 @@ class TrainConfig:
         "max_length); 0 = 512, or the whole sequence when shorter",
     )
     param_dtype: str = _f(
-        "float32",
-        "dtype of the weight matrices held and trained: float32 or bfloat16 (optimizer "
+        "auto",
+        "dtype of the weight matrices held and trained: float32, bfloat16 or auto (the compute "
+        "dtype under LoRA/QLoRA, whose base is frozen; float32 for full fine-tuning) (optimizer "
         "moments and the update stay float32; vectors such as norms stay float32)",
     )
     mesh: str = _f(
@@ -168,7 +185,12 @@ class TrainConfig:
     max_grad_norm: float = _f(1.0, "clip gradients to this global norm; 0 = no clipping")
     dropout: float | None = _f(None, "hidden and attention dropout; default: the model config's")
     seed: int = _f(0, "seed of initialisation, data order and dropout")
-    dtype: str = _f("float32", "compute dtype: float32 or bfloat16 (parameters stay float32)")
+    dtype: str = _f(
+        "auto",
+        "compute dtype: float32, bfloat16 or auto (bfloat16 where the device multiplies it "
+        "natively: a TPU, an NVIDIA GPU from Ampere, a CPU with AMX or AVX512_BF16; float32 "
+        "elsewhere; said in the trainer's first line; KUBEJAX_AUTO_DTYPE pins it)",
+    )
     max_length: int = _f(512, "longest padded sequence fed to the model")
     bucket_multiple: int = _f(
         0,
@@ -245,9 +267,9 @@ class TrainConfig:
         self._validate_optimizer()
         if self.schedule not in SCHEDULES:
             raise ConfigError(f"schedule: {self.schedule!r} is not one of {', '.join(SCHEDULES)}")
+        self._validate_accumulation()
         positive = (
             "global_batch_size",
-            "grad_accum_steps",
             "eval_batch_size",
             "log_every",
             "coordinator_timeout",
@@ -267,11 +289,6 @@ class TrainConfig:
                 raise ConfigError(f"{name}: must be 0 or more, got {getattr(self, name)}")
         if self.max_steps == 0 and self.epochs <= 0:
             raise ConfigError(f"epochs: must be positive when max_steps is 0, got {self.epochs}")
-        if self.global_batch_size % self.grad_accum_steps:
-            raise ConfigError(
-                f"global_batch_size: {self.global_batch_size} is not divisible by "
-                f"grad_accum_steps {self.grad_accum_steps}"
-            )
         if not 0.0 <= self.warmup_ratio < 1.0:
             raise ConfigError(f"warmup_ratio: must be in [0, 1), got {self.warmup_ratio}")
         if self.learning_rate <= 0:
@@ -289,13 +306,33 @@ class TrainConfig:
                 raise ConfigError("mlflow_tags: must be a JSON object")
         return self
 
-    def _validate_memory(self) -> None:
-        if self.dtype not in DTYPES:
-            raise ConfigError(f"dtype: {self.dtype!r} is not one of {', '.join(DTYPES)}")
-        if self.param_dtype not in DTYPES:
+    def _validate_accumulation(self) -> None:
+        """`grad_accum_steps`: auto, or a count of at least 1 dividing the global batch (a
+        number given as text, as a flag or a KFP parameter may carry it, becomes one)."""
+        value = self.grad_accum_steps
+        if isinstance(value, str) and value != AUTO:
+            try:
+                value = self.grad_accum_steps = int(value)
+            except ValueError:
+                raise ConfigError(
+                    f"grad_accum_steps: {value!r} is neither a count of micro-batches nor auto"
+                ) from None
+        if value == AUTO:
+            return
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise ConfigError(f"grad_accum_steps: must be at least 1 or auto, got {value!r}")
+        if self.global_batch_size >= 1 and self.global_batch_size % value:
             raise ConfigError(
-                f"param_dtype: {self.param_dtype!r} is not one of {', '.join(DTYPES)}"
+                f"grad_accum_steps: {value} does not divide global_batch_size "
+                f"{self.global_batch_size} (a count of micro-batches dividing it, or auto)"
             )
+
+    def _validate_memory(self) -> None:
+        for name in ("dtype", "param_dtype"):
+            try:
+                precision.check(name, getattr(self, name))
+            except precision.PrecisionError as err:
+                raise ConfigError(str(err)) from None
         if self.attention not in ATTENTIONS:
             raise ConfigError(
                 f"attention: {self.attention!r} is not one of {', '.join(ATTENTIONS)}"
@@ -345,10 +382,11 @@ class TrainConfig:
             raise ConfigError(f"decay_rate: must be in (0, 1], got {self.decay_rate}")
 
     def fit_to_devices(self, devices: int) -> None:
-        """Fit the batch to the job's devices: with `max_micro_batch`, raise grad_accum_steps
-        until each device's share of a micro-batch fits; then check that the global batch
+        """Fit the batch to the job's devices: with `max_micro_batch`, raise an explicit
+        grad_accum_steps until each device's share of a micro-batch fits (`auto`: the memory
+        plan chooses among the counts that keep to it); then check that the global batch
         splits evenly over micro-batches and devices."""
-        if self.max_micro_batch:
+        if self.max_micro_batch and self.grad_accum_steps != AUTO:
             self._fit_micro_batch(devices)
         self.check_process_count(devices)
 
@@ -368,16 +406,31 @@ class TrainConfig:
         )
 
     def check_process_count(self, devices: int) -> None:
-        """The global batch must split evenly over micro-batches and devices."""
-        micro = self.global_batch_size // self.grad_accum_steps
-        if micro % devices:
+        """The global batch must split evenly over the devices, and each device's share over
+        an explicit grad_accum_steps' micro-batches."""
+        if self.global_batch_size % devices:
             raise ConfigError(
-                f"global_batch_size: {self.global_batch_size} (micro-batch {micro}) is not "
-                f"divisible by the {devices} devices of this job (processes × local devices)"
+                f"global_batch_size: {self.global_batch_size} is not divisible by the "
+                f"{devices} devices of this job (processes × local devices)"
             )
+        self.check_accumulation(devices)
         if self.eval_batch_size % devices:
             raise ConfigError(
                 f"eval_batch_size: {self.eval_batch_size} is not divisible by the {devices} devices"
+            )
+
+    def check_accumulation(self, devices: int) -> None:
+        """An explicit grad_accum_steps must divide each device's share of the global batch
+        (on `devices` devices that split the batch), naming the counts that do."""
+        if self.grad_accum_steps == AUTO:
+            return
+        share = self.global_batch_size // devices
+        if share and share % self.grad_accum_steps:
+            counts = [k for k in range(1, share + 1) if share % k == 0]
+            raise ConfigError(
+                f"grad_accum_steps: {self.grad_accum_steps} does not divide the per-device "
+                f"batch of {share} (global_batch_size {self.global_batch_size} over {devices} "
+                f"devices); use {', '.join(map(str, counts))} or auto"
             )
 
     @property
@@ -414,6 +467,36 @@ def parser(prog: str = "python -m kubejax.trainer") -> argparse.ArgumentParser:
     return p
 
 
-def from_args(argv: list[str] | None = None) -> TrainConfig:
-    """Parse command-line flags into a TrainConfig (not yet validated)."""
-    return TrainConfig(**vars(parser().parse_args(argv)))
+def assigned_flags(env: Mapping[str, str]) -> list[str]:
+    """Flags for the settings an OptimizationJob trial assigns in `env` (each
+    KUBEFLOW_TRAINER_OPT_<SETTING>), to go after the command line's so that they win;
+    ConfigError naming a variable that is no trainer setting."""
+    names = {f.name.upper(): f for f in dataclasses.fields(TrainConfig)}
+    hints = typing.get_type_hints(TrainConfig)
+    flags = []
+    for key, value in sorted(env.items()):
+        if not key.startswith(OPTIMIZATION_ENV_PREFIX):
+            continue
+        field = names.get(key.removeprefix(OPTIMIZATION_ENV_PREFIX).replace("-", "_"))
+        if field is None:
+            raise ConfigError(
+                f"{key}: the OptimizationJob assigns a parameter that is not a trainer setting "
+                "(its parameters must be named as the settings: `python -m kubejax.trainer "
+                "--help`)"
+            )
+        flag = "--" + field.name.replace("_", "-")
+        if base_type(hints[field.name]) is bool:
+            if value.strip().lower() not in ("true", "false"):
+                raise ConfigError(f"{key}: {field.name} must be true or false, got {value!r}")
+            flags.append(flag if value.strip().lower() == "true" else "--no-" + flag[2:])
+        else:
+            flags += [flag, value]
+    return flags
+
+
+def from_args(argv: list[str] | None = None, env: Mapping[str, str] | None = None) -> TrainConfig:
+    """Parse command-line flags into a TrainConfig (not yet validated); an OptimizationJob
+    trial's assignments in the environment (`assigned_flags`) override them."""
+    argv = sys.argv[1:] if argv is None else list(argv)
+    extra = assigned_flags(os.environ if env is None else env)
+    return TrainConfig(**vars(parser().parse_args([*argv, *extra])))

@@ -4,6 +4,7 @@ what trains and what stays frozen."""
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from pathlib import Path
 
@@ -17,7 +18,7 @@ from kubejax.models import lora, weights
 from kubejax.models.bert import BertClassifier
 from kubejax.models.kernels import matrices_in
 from kubejax.models.shape import ModelShape
-from kubejax.trainer import distributed, plan, sharding
+from kubejax.trainer import distributed, plan, precision, sharding
 from kubejax.trainer.config import ConfigError, TrainConfig
 from kubejax.trainer.inputs import TrainData
 
@@ -26,13 +27,18 @@ def build_model(
     cfg: TrainConfig, data: TrainData, mesh_sizes: dict | None = None, placement=None
 ) -> tuple[nnx.Module, Path | None, list]:
     """The classifier with pretrained weights (or fresh for 'scratch'), its tokenizer folder and
-    the parts initialised fresh; refused when the data's rows are longer than its positions,
-    or when the mesh's tensor axis does not divide its heads or MLP (`mesh_sizes`).
-    `placement`: parameters load straight into these shardings (`sharding.placement`)."""
-    model, tokenizer_dir, fresh = classifier_for(
-        cfg, data.num_labels, mesh_sizes, placement, data.total_steps
-    )
-    positions = model.config.max_position_embeddings
+    the parts initialised fresh; refused before any weight is read when the data's rows are
+    longer than its positions, or when the mesh's tensor axis does not divide its heads or MLP
+    (`mesh_sizes`). `placement`: parameters load straight into these shardings
+    (`sharding.placement`)."""
+    check_positions(cfg, data, model_config(cfg)[0])
+    return classifier_for(cfg, data.num_labels, mesh_sizes, placement, data.total_steps)
+
+
+def check_positions(cfg: TrainConfig, data: TrainData, model_cfg) -> None:
+    """The context the run feeds (its data's longest row, padded to its length bucket)
+    against the model's positions: ConfigError naming max_length where it runs past them."""
+    positions = model_cfg.max_position_embeddings
     longest = int(max(data.train.lengths.max(), data.val.lengths.max(initial=0)))
     multiple = cfg.bucket_multiple or dataset.DEFAULT_BUCKET_MULTIPLE  # 0: not yet chosen
     padded = dataset.bucket_length(longest, multiple, cfg.max_length)
@@ -42,7 +48,26 @@ def build_model(
             f"than the {positions} positions of the model; set max_length to {positions} or "
             "less (longer rows are truncated) or prepare the data with that max_length"
         )
-    return model, tokenizer_dir, fresh
+
+
+def fit_memory(
+    cfg: TrainConfig, num_labels: int, mesh_sizes: dict
+) -> tuple[TrainConfig, plan.Fitting]:
+    """`cfg` with `grad_accum_steps` and `remat` `auto` settled for this process's devices
+    (`plan.fit_memory`: the fewest micro-batches, then the cheapest remat policy, that the
+    memory plan fits in the device's memory), and the choice, for the trainer's first line;
+    from the model's config alone, before any weight is read. An explicit setting that does
+    not fit, or a remat policy the model's family lacks, is refused."""
+    model_cfg, _ = model_config(cfg)
+    devices = math.prod(mesh_sizes.values())
+    platform = jax.devices()[0].platform
+    memory = plan.device_memory_of(cfg)
+    fitted = plan.fit_memory(cfg, model_cfg, num_labels, devices, memory, platform)[1]
+    return _settled(cfg, fitted), fitted
+
+
+def _settled(cfg: TrainConfig, fitted: plan.Fitting) -> TrainConfig:
+    return dataclasses.replace(cfg, grad_accum_steps=fitted.grad_accum_steps, remat=fitted.remat)
 
 
 def classifier_for(
@@ -57,6 +82,7 @@ def classifier_for(
     (`steps`: the run's optimizer steps, for `scan_choice`)."""
     from safetensors import SafetensorError
 
+    cfg = precision.here(cfg)  # dtypes `auto` where the trainer has not settled them
     dtype = _dtype(cfg)
     # The config first: the checks below run before any weight is fetched.
     model_cfg, model_dir = model_config(cfg)
@@ -69,12 +95,13 @@ def classifier_for(
     platform = jax.devices()[0].platform
     spec = plan.attention_of(cfg, model_cfg, platform)  # refused here if it cannot run here
     memory = plan.device_memory_of(cfg) if mesh_sizes else None
-    if memory:  # before any weight is read
-        devices = math.prod(mesh_sizes.values())
-        plan.check_fits(cfg, model_cfg, num_labels, devices, memory, platform)
+    if memory or plan.AUTO in (cfg.grad_accum_steps, cfg.remat):  # before any weight is read
+        # Checked, and `auto` settled where the caller has not (`fit_memory`).
+        devices = math.prod(mesh_sizes.values()) if mesh_sizes else 1
+        fitted = plan.fit_memory(cfg, model_cfg, num_labels, devices, memory, platform)[1]
+        cfg = _settled(cfg, fitted)
+    plan.check_family(cfg, model_cfg)
     _apply_dropout(cfg, model_cfg)
-    if cfg.remat != "none" and not weights.is_decoder(model_cfg):
-        raise ConfigError(f"remat: {cfg.remat!r} applies to decoder models; BERT trains without")
     if cfg.scan_layers is False and not weights.is_decoder(model_cfg):
         raise ConfigError("scan_layers: false applies to decoder models; BERT's are unrolled")
     if model_dir is None:
@@ -125,6 +152,7 @@ def abstract_model(cfg: TrainConfig, num_labels: int, steps: int = 0) -> nnx.Mod
     """The model `classifier_for` makes, its weights as shapes: nothing read, drawn or placed
     (`nnx.eval_shape`). What a program can be compiled for while the weights load
     (`kubejax.trainer.ahead`). Its settings unchecked: `classifier_for` checks them."""
+    cfg = precision.here(cfg)
     model_cfg, _ = model_config(cfg)
     _apply_dropout(cfg, model_cfg)
     dtype, decoder = _dtype(cfg), weights.is_decoder(model_cfg)
@@ -203,7 +231,8 @@ def _minutes(seconds: float) -> str:
 
 def model_choices(cfg: TrainConfig, model, steps: int = 0) -> list[str]:
     """What the run's model computes with, for the trainer's first line: a decoder's attention
-    (and why `auto` took it), its scanned layers (and why, over `steps`) and remat policy."""
+    (and why `auto` took it) and its scanned layers (and why, over `steps`); its remat policy
+    is said with its micro-batches (`plan.Fitting.describe`)."""
     if not hasattr(getattr(model, "model", None), "attention"):  # BERT: the reference
         return []
     spec = model.model.attention
@@ -212,7 +241,7 @@ def model_choices(cfg: TrainConfig, model, steps: int = 0) -> list[str]:
     return [
         f"attention {spec.implementation} ({why}{block})",
         f"{model.model.num_layers} layers {'in one scan' if model.model.scan else 'unrolled'} "
-        f"({scan_choice(cfg, model.config, steps)[1]}), remat {cfg.remat}",
+        f"({scan_choice(cfg, model.config, steps)[1]})",
     ]
 
 
@@ -239,6 +268,7 @@ def split_trainable(cfg: TrainConfig, model, mesh):
 def split_model(cfg: TrainConfig, model):
     """`split_trainable`'s (graphdef, trains, frozen or None), nothing placed; of an abstract
     model (`abstract_model`), shapes."""
+    cfg = precision.here(cfg)
     if cfg.peft == "none":
         graphdef, params = nnx.split(model)
         return graphdef, _matrices_in(params, cfg.param_dtype), None

@@ -23,8 +23,8 @@ from kubejax import tpu
 from kubejax.errors import InfeasibleError
 from kubejax.models import attention, weights
 from kubejax.models.partitioning import is_matrix, logical_tree, path_name
-from kubejax.trainer import sharding
-from kubejax.trainer.config import ConfigError, TrainConfig, parse_bytes
+from kubejax.trainer import precision, sharding
+from kubejax.trainer.config import AUTO, ConfigError, TrainConfig, parse_bytes
 
 #: Device memory by GPU product (the `nvidia.com/gpu.product` node label), where the name does
 #: not carry it ("NVIDIA-H100-80GB-HBM3" does: read from the name).
@@ -187,6 +187,8 @@ def plan_memory(
 ) -> MemoryPlan:
     """The plan of `cfg` (mesh, batch, dtypes, remat, attention, optimizer) on `devices`
     devices of `platform` (`params`: the model's `abstract_params`, when already at hand)."""
+    cfg = precision.settle(cfg, platform)[0]  # dtypes `auto` as the platform takes them
+    cfg = as_asked(cfg)  # micro-batches and remat `auto` as the run first asks (`fit_memory`)
     sizes = sharding.parse_mesh(cfg.mesh, devices)
     if params is None:
         params = abstract_params(model_cfg, cfg.task or "classification", num_labels)
@@ -337,7 +339,7 @@ def _attention(cfg: TrainConfig, model_cfg, platform: str) -> tuple[attention.Sp
             platform,
             cfg.max_length,
             packing=getattr(cfg, "packing", False),
-            dtype=cfg.dtype,
+            dtype=precision.settle(cfg, platform)[0].dtype,
             head_dim=model_cfg.head_dim,
             block=cfg.attention_block,
         )
@@ -472,7 +474,7 @@ def _remedies(cfg: TrainConfig, model_cfg, platform: str) -> list[tuple[str, obj
             auto = attention_of(dataclasses.replace(cfg, attention="auto"), model_cfg, platform)
             value = auto.implementation if auto.implementation != "xla" else "chunked"
         elif setting == "remat":
-            if not decoder or order.index(value) <= order.index(cfg.remat):
+            if not decoder or order.index(value) <= order.index(as_asked(cfg).remat):
                 continue
         elif (setting == "peft" and cfg.peft != "none") or getattr(cfg, setting) == value:
             continue
@@ -493,6 +495,7 @@ def smallest_fit(
     tensor); and one of `REMEDIES` alone, or several together in their order, at the run's own
     micro-batch where that fits. Each is (the changed settings, their plan); empty when
     nothing fits."""
+    cfg = as_asked(cfg)
     params = abstract_params(model_cfg, cfg.task or "classification", num_labels)
     tensors = []
     for tensor in _divisors(devices):
@@ -551,27 +554,188 @@ def check_fits(
     device_memory: int,
     platform: str = "cpu",
 ) -> MemoryPlan:
-    """The plan, or InfeasibleError naming each figure and the least change that fits (never
-    a setting the run already has)."""
-    plan = plan_memory(cfg, model_cfg, num_labels, devices, device_memory, platform=platform)
-    if plan.fits:
-        return plan
-    fits = smallest_fit(cfg, model_cfg, num_labels, devices, device_memory, platform)
-    if fits:
-        ways = [
-            f"{', '.join(f'{k}={v}' for k, v in changes.items())} ({human(p.total)} per device)"
-            for changes, p in fits
-        ]
+    """The plan of the run as `fit_memory` settles it (`grad_accum_steps` and `remat` `auto`
+    chosen), or InfeasibleError naming each figure and the least change that fits (never a
+    setting the run already has)."""
+    return fit_memory(cfg, model_cfg, num_labels, devices, device_memory, platform)[1].plan
+
+
+#: The remat policies in the order `auto` tries them, the cheapest first: by what the backward
+#: pass computes again (a decoder layer's products: 30 a step kept, 31 with `minimal`, 38 with
+#: `full`: bench/NOTES.md, T2). Micro-batches come before any of them: on the v5e, Llama-3.2-1B
+#: LoRA at 8,192 × 2 ran 10,513 tokens/s in one batch under `full` and 15,530 in two
+#: micro-batches without remat (bench/tpu-results.md, NOTES round 44).
+REMAT_BY_COST = ("none", "minimal", "full")
+
+
+@dataclasses.dataclass(frozen=True)
+class Fitting:
+    """How a run's batch is split and what its layers keep: `grad_accum_steps` and `remat` as
+    set, or as `auto` chose them (`fit_memory`), with the plan of that choice."""
+
+    grad_accum_steps: int
+    remat: str
+    plan: MemoryPlan
+    #: whether `auto` chose either setting
+    chosen: bool = False
+    #: the bytes a device needs as the run first asks (the fewest micro-batches it allows, no
+    #: remat where `remat` is auto), where that does not fit
+    as_asked: int | None = None
+    as_asked_accum: int = 1
+    decoder: bool = True
+
+    def describe(self) -> str:
+        """One piece of the trainer's first line, e.g. `2 micro-batches of 4 × 2,048, remat
+        none (auto: 20.3 GiB as one batch, 15.8 GiB device)`."""
+        text = _batches(self.grad_accum_steps, self.plan)
+        if self.decoder:
+            text += f", remat {self.remat}"
+        if not self.chosen:
+            return f"{text} (as set)"
+        memory = self.plan.device_memory
+        if memory is None:
+            return f"{text} (auto: no device memory known to plan against)"
+        if self.as_asked is None:
+            return f"{text} (auto: {_gib(self.plan.total)} of the {_gib(memory)} device)"
+        k = self.as_asked_accum
+        asked = "as one batch" if k == 1 else f"in {k} micro-batches"
+        if self.decoder and self.remat != "none":
+            asked += " without remat"
+        return f"{text} (auto: {_gib(self.as_asked)} {asked}, {_gib(memory)} device)"
+
+
+def _batches(count: int, plan: MemoryPlan) -> str:
+    """`2 micro-batches of 4 × 2,048`: the count, and each device's rows × tokens."""
+    batches = "one batch" if count == 1 else f"{count} micro-batches"
+    return f"{batches} of {plan.micro_batch} × {plan.length:,}"
+
+
+def _gib(n: float) -> str:
+    """Bytes for the first line: GiB to a tenth, MiB below one GiB."""
+    return f"{n / 2**30:.1f} GiB" if n >= 2**30 else f"{n / 2**20:.0f} MiB"
+
+
+def as_asked(cfg: TrainConfig) -> TrainConfig:
+    """`cfg` with `grad_accum_steps` and `remat` `auto` read as the run first asks: one batch,
+    no remat (what `plan_memory` plans where nothing has settled them)."""
+    changes = {}
+    if cfg.grad_accum_steps == AUTO:
+        changes["grad_accum_steps"] = 1
+    if cfg.remat == AUTO:
+        changes["remat"] = "none"
+    return dataclasses.replace(cfg, **changes) if changes else cfg
+
+
+def accumulation_counts(cfg: TrainConfig, devices: int) -> list[int]:
+    """The counts of micro-batches `auto` may take, fewest first: the divisors of each
+    device's share of the global batch that keep a micro-batch within `max_micro_batch`
+    (where set); an explicit count alone."""
+    if cfg.grad_accum_steps != AUTO:
+        return [int(cfg.grad_accum_steps)]
+    sizes = sharding.parse_mesh(cfg.mesh, devices)
+    share = max(cfg.global_batch_size // (sizes["data"] * sizes["fsdp"]), 1)
+    cap = cfg.max_micro_batch or share
+    return [k for k in _divisors(share) if share // k <= cap]
+
+
+def remat_policies(model_cfg) -> tuple[str, ...]:
+    """The remat policies a model's family runs: a decoder's (`decoder.REMAT_POLICIES`);
+    BERT trains without."""
+    if not weights.is_decoder(model_cfg):
+        return ("none",)
+    from kubejax.models.decoder import REMAT_POLICIES
+
+    return tuple(REMAT_POLICIES)
+
+
+def check_family(cfg: TrainConfig, model_cfg) -> None:
+    """An explicit `remat` the model's family has no policy for: ConfigError naming it."""
+    policies = remat_policies(model_cfg)
+    if cfg.remat == AUTO or cfg.remat in policies:
+        return
+    if not weights.is_decoder(model_cfg):
+        raise ConfigError(f"remat: {cfg.remat!r} applies to decoder models; BERT trains without")
+    raise ConfigError(
+        f"remat: {cfg.remat!r} is not a policy of the {model_cfg.model_type} model; its "
+        f"policies are {', '.join((*policies, AUTO))}"
+    )
+
+
+def fit_memory(
+    cfg: TrainConfig,
+    model_cfg,
+    num_labels: int,
+    devices: int,
+    device_memory: int | None,
+    platform: str = "cpu",
+    params=None,
+) -> tuple[TrainConfig, Fitting]:
+    """`cfg` with `grad_accum_steps` and `remat` `auto` settled, and the choice: the fastest
+    arrangement whose plan fits `device_memory` — the run as it asks; else more micro-batches
+    of the same global batch (`accumulation_counts`, the fewest that fit); else the cheapest
+    remat policy that fits (`REMAT_BY_COST`), each with the fewest micro-batches. With no
+    memory known, the run as it asks. An explicit setting is kept; InfeasibleError when
+    nothing fits, naming each figure and the two nearest changes (`smallest_fit`).
+    ConfigError: a remat policy the model's family lacks (`check_family`)."""
+    check_family(cfg, model_cfg)
+    cfg = precision.settle(cfg, platform)[0]  # never suggest the bfloat16 `auto` takes already
+    decoder = weights.is_decoder(model_cfg)
+    if params is None:
+        params = abstract_params(model_cfg, cfg.task or "classification", num_labels)
+    remats = (cfg.remat,)
+    if cfg.remat == AUTO:
+        remats = tuple(r for r in REMAT_BY_COST if r in remat_policies(model_cfg))
+    counts = accumulation_counts(cfg, devices)
+    chosen = AUTO in (cfg.grad_accum_steps, cfg.remat)
+    tried: list[tuple[TrainConfig, MemoryPlan]] = []
+    for remat in remats:
+        for accum in counts:
+            trial = dataclasses.replace(cfg, grad_accum_steps=accum, remat=remat)
+            plan = plan_memory(trial, model_cfg, num_labels, devices, device_memory, params,
+                               platform)  # fmt: skip
+            tried.append((trial, plan))
+            if plan.fits:
+                first = tried[0][1]
+                fitting = Fitting(
+                    accum, remat, plan, chosen, None if len(tried) == 1 else first.total,
+                    counts[0], decoder,
+                )  # fmt: skip
+                return trial, fitting
+    asked, least = tried[0], tried[-1]
+    raise _refusal(cfg, asked, least, model_cfg, num_labels, devices, device_memory, platform)
+
+
+def _refusal(cfg, asked, least, model_cfg, num_labels, devices, device_memory, platform):
+    """InfeasibleError for a run nothing `auto` tries fits: the run as it asks (each figure),
+    the least `auto` tried, and up to two ways to fit from there (`smallest_fit`: the mesh, or
+    a setting of `REMEDIES`), never one of the settings `auto` was left to choose."""
+    (_, plan), (least_cfg, least_plan) = asked, least
+    left = {k for k in ("grad_accum_steps", "remat") if getattr(cfg, k) == AUTO}
+    ways = []
+    for changes, p in smallest_fit(least_cfg, model_cfg, num_labels, devices, device_memory,
+                                   platform):  # fmt: skip
+        shown = {k: v for k, v in changes.items() if k not in left}
+        if shown:
+            ways.append(f"{', '.join(f'{k}={v}' for k, v in shown.items())} "
+                        f"({human(p.total)} per device)")  # fmt: skip
+    if ways:
         advice = "fits with " + ", or with ".join(ways)
     else:
-        tried = [f"{k}={v}" for k, v in _remedies(cfg, model_cfg, platform)]
+        tried = [f"{k}={v}" for k, v in _remedies(least_cfg, model_cfg, platform)]
         options = ["more devices (replicas × devices_per_worker)", *tried, "a shorter max_length"]
         advice = (
             f"nothing on {devices} device(s) fits even one row per device: {', '.join(options)}"
         )
-    raise InfeasibleError(
+    least_said = ""
+    if left:
+        remat = f", remat {least_cfg.remat}" if weights.is_decoder(model_cfg) else ""
+        least_said = (
+            f", and {human(least_plan.total)} at the least that auto tries "
+            f"({_batches(least_cfg.grad_accum_steps, least_plan)}{remat})"
+        )
+    return InfeasibleError(
         f"device_memory: the run needs {human(plan.total)} per device ({plan.figures()}), "
-        f"more than the {human(device_memory)} of the device; {advice}"
+        f"more than the {human(device_memory)} of the device{least_said}; {advice}"
     )
 
 
@@ -595,14 +759,56 @@ def model_config(cfg: TrainConfig):
     return weights.load_config(folder)
 
 
+class ModelConfigUnavailable(ConfigError):
+    """The model's config cannot be read on this machine: a folder only the job's pods see
+    (a volume), a hub id this machine cannot reach."""
+
+
+def model_config_file(path: str):
+    """The config of `--model-config`: a config.json (any name), or a folder holding one."""
+    from pathlib import Path
+
+    given = Path(path).expanduser()
+    try:
+        if given.is_dir():
+            return weights.load_config(given)
+        if not given.is_file():
+            raise FileNotFoundError("neither a config.json nor a folder holding one")
+        return weights.config_from_file(given)
+    except (OSError, ValueError) as err:
+        raise ConfigError(f"model_config: {path}: {str(err).removeprefix('model: ')}") from err
+
+
 def check_job(
-    cfg: TrainConfig, replicas: int, devices_per_worker: int, node_selector: dict | None = None
+    cfg: TrainConfig,
+    replicas: int,
+    devices_per_worker: int,
+    node_selector: dict | None = None,
+    model_cfg=None,
 ) -> tuple[MemoryPlan | None, int]:
+    """Check a job before it is submitted (`fit_job`); returns the plan of the run as the
+    trainer will settle it (None when no memory is known) and the device count."""
+    fitting, devices = fit_job(cfg, replicas, devices_per_worker, node_selector, model_cfg)
+    return (None if fitting is None else fitting.plan), devices
+
+
+def fit_job(
+    cfg: TrainConfig,
+    replicas: int,
+    devices_per_worker: int,
+    node_selector: dict | None = None,
+    model_cfg=None,
+) -> tuple[Fitting | None, int]:
     """Check a job before it is submitted: the mesh against replicas × devices per worker
-    (one device a worker when 0: a CPU pod), the tensor axis against the model's heads and
-    MLP, and the memory plan against the device's memory where it is known
-    (`device_memory_of`). Returns the plan (None when no memory is known: the model's config is
-    then read only for a tensor axis) and the device count; ConfigError names the numbers."""
+    (one device a worker when 0: a CPU pod), an explicit grad_accum_steps against each
+    device's share of the batch, the tensor axis against the model's heads and MLP, a remat
+    policy against the model's family, and the memory plan against the device's memory where
+    it is known (`device_memory_of`), `auto` settled as the trainer settles it
+    (`fit_memory`). The model's config is `model_cfg` where given (`--model-config`), else
+    read without weights (`model_config`; ModelConfigUnavailable where this machine cannot
+    read it). Returns the choice (None when no memory is known: the model's config is then
+    read only for a tensor axis, LoRA or a remat policy) and the device count; ConfigError
+    and InfeasibleError name the numbers."""
     devices = replicas * max(devices_per_worker, 1)
     try:
         sizes = sharding.parse_mesh(cfg.mesh, devices)
@@ -610,10 +816,16 @@ def check_job(
         raise InfeasibleError(
             f"{err} (replicas {replicas} × devices_per_worker {max(devices_per_worker, 1)})"
         ) from err
+    batch_devices = sizes["data"] * sizes["fsdp"]
+    if cfg.global_batch_size % batch_devices == 0:
+        cfg.check_accumulation(batch_devices)
     memory = device_memory_of(cfg, node_selector or {})
-    if not memory and sizes["tensor"] == 1 and cfg.peft == "none":
+    needs_model = sizes["tensor"] > 1 or cfg.peft != "none" or cfg.remat not in (AUTO, "none")
+    if not memory and not needs_model:
         return None, devices
-    model_cfg = _model_config(cfg)
+    if model_cfg is None:
+        model_cfg = _model_config(cfg)
+    check_family(cfg, model_cfg)
     if cfg.peft != "none":
         _check_lora(cfg, model_cfg.model_type)
     try:
@@ -625,7 +837,8 @@ def check_job(
     if not memory:
         return None, devices
     # The head's size (the labels) is negligible beside the model: Yelp's 5 when not given.
-    return check_fits(cfg, model_cfg, cfg.num_labels or 5, devices, memory, platform), devices
+    fitting = fit_memory(cfg, model_cfg, cfg.num_labels or 5, devices, memory, platform)[1]
+    return fitting, devices
 
 
 def _check_lora(cfg: TrainConfig, model_type: str) -> None:
@@ -645,7 +858,12 @@ def _check_lora(cfg: TrainConfig, model_type: str) -> None:
 
 
 def _model_config(cfg: TrainConfig):
+    from pathlib import Path
+
     try:
         return model_config(cfg)
     except (OSError, ValueError) as err:
-        raise ConfigError(f"model: {cfg.model}: {err}") from err
+        # Not here at all (a volume of the pods, a hub id out of reach), or here but unusable.
+        here = cfg.model == "scratch" or Path(cfg.model).expanduser().is_dir()
+        error = ConfigError if here else ModelConfigUnavailable
+        raise error(f"model: {cfg.model}: {err}") from err

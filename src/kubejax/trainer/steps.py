@@ -18,9 +18,9 @@ from kubejax.trainer import distributed
 
 def loss_fn(graphdef, params, batch, key, deterministic: bool, frozen=None, totals=None):
     """Cross-entropy with the accuracy and the logits: of the labels for a classifier; of the
-    answers' tokens for a language model (`targets`, read at `target_at`), a review counted
-    correct when every token of its answer is the most likely one. `frozen`: the parameters
-    that do not train (LoRA's base), beside `params`.
+    answers' tokens for a language model (`targets`, read at `target_at`; logits None, never
+    held whole), a review counted correct when every token of its answer is the most likely
+    one. `frozen`: the parameters that do not train (LoRA's base), beside `params`.
 
     Rows hold one review each, or several (packed: `attention_mask` holds segment ids,
     `positions` each review's own, `weights` 1 for each review slot that holds one). Loss and
@@ -33,19 +33,23 @@ def loss_fn(graphdef, params, batch, key, deterministic: bool, frozen=None, tota
     packed = {"positions": batch["positions"]} if "weights" in batch else {}
     if "targets" in batch:
         at = batch["target_at"]
-        logits = model(
+        hidden = model.hidden(
             batch["input_ids"],
             batch["attention_mask"],
             **packed,
             at=at.reshape(at.shape[0], -1),
             deterministic=deterministic,
             rngs=rngs,
-        ).reshape(*at.shape, -1)
+        )
+        # Through the head a vocabulary chunk at a time: the targets' whole logits are never
+        # held (every token of a long answer, `DecoderLM.target_log_probs`).
+        logp, top = model.target_log_probs(hidden, batch["targets"].reshape(at.shape[0], -1))
         w = batch["target_weights"]
-        ce = optax.softmax_cross_entropy_with_integer_labels(logits, batch["targets"])
-        wrong = (jnp.argmax(logits, -1) != batch["targets"]) & (w > 0)
+        ce = -logp.reshape(at.shape)
+        wrong = ~top.reshape(at.shape) & (w > 0)
         correct = 1.0 - wrong.any(-1).astype(jnp.float32)
         loss_sum = (ce * w).sum()
+        logits = None
     else:
         if packed:
             packed["starts"] = batch["starts"]

@@ -30,14 +30,14 @@ import jax
 from kubejax import monitoring
 from kubejax.errors import KubejaxError
 from kubejax.models.kernels import matrices_in
-from kubejax.trainer import distributed, sharding
+from kubejax.trainer import distributed, precision, sharding
 from kubejax.trainer.ahead import EvaluationAhead, StepAhead
 from kubejax.trainer.checkpoint import Checkpointer
 from kubejax.trainer.compile_cache import lookups_said, use_user_dir
 from kubejax.trainer.config import ConfigError, TrainConfig
 from kubejax.trainer.export import export_model, state_sizes
 from kubejax.trainer.inputs import TrainData, eval_batches, load_data, train_batches
-from kubejax.trainer.model_setup import build_model, model_choices, split_trainable
+from kubejax.trainer.model_setup import build_model, fit_memory, model_choices, split_trainable
 from kubejax.trainer.optimizer import (
     host_learning_rates,
     make_optimizer,
@@ -148,7 +148,7 @@ def evaluate_split(eval_step, params, split, cfg: TrainConfig, mesh, answers=Non
     """Loss and accuracy over (up to max_eval_examples of) a split, as in prediction: short
     reviews packed several to a row (`dataset.packed_eval_batches`), or for a language model
     every label's answer scored (`dataset.scoring_batches`)."""
-    params = matrices_in(params, cfg.dtype)
+    params = matrices_in(params, precision.here(cfg).dtype)
     totals = {"loss": 0.0, "correct": 0.0, "count": 0.0}
     for local in eval_batches(split, cfg, answers):
         sums, _ = eval_step(params, distributed.global_batch(local, mesh))
@@ -203,10 +203,14 @@ def train_and_evaluate(cfg: TrainConfig) -> dict:
     walls = Walls()
     cfg.validate()
     penv = distributed.initialize(timeout_s=cfg.coordinator_timeout)
+    cfg, chosen = settle_precision(cfg)
     mesh, sizes = make_mesh(cfg)
     out = _writable_dir(Path(cfg.output_dir))
     sampler = monitoring.ResourceSampler().start()
     data = load_data(cfg)
+    # Micro-batches and remat `auto` settled by the memory plan, before the step is compiled
+    # ahead or any weight is read.
+    cfg, fitted = fit_memory(cfg, data.num_labels, sizes)
     total = data.total_steps
 
     # Model and optimizer on the mesh (replicated or in shards), resumed from the last checkpoint.
@@ -222,7 +226,8 @@ def train_and_evaluate(cfg: TrainConfig) -> dict:
     tracker = start_tracker(cfg, data, resumed=start_step > 0)
     system_monitor = tracker.start_system_metrics("worker-0")  # None on processes 1+
     progress = Progress(cfg, out, tracker, total, host_lr, history, sampler)
-    progress.say(start_message(cfg, data, start_step, fresh, run_choices(cfg, data, model)))
+    choices = [chosen.describe(), fitted.describe(), *run_choices(cfg, data, model)]
+    progress.say(start_message(cfg, data, start_step, fresh, choices))
     sparse = model.sparse_embedding if frozen is None else None  # LoRA: the table is frozen
     train_step = ahead.train_step(graphdef, tx, mesh, cfg.seed, sparse, shardings, frozen)
     eval_step = EvaluationAhead(make_eval_step(graphdef, mesh, frozen), params, data, cfg, mesh)
@@ -280,6 +285,19 @@ def train_and_evaluate(cfg: TrainConfig) -> dict:
             system_monitor.finish()
         progress.undelivered(tracker.finish(status))
         ckpt.close()
+
+
+def settle_precision(cfg: TrainConfig) -> tuple[TrainConfig, precision.Precision]:
+    """`cfg` with `dtype` and `param_dtype` `auto` resolved for this process's devices, and
+    the choice; bfloat16 set explicitly where the device has no bfloat16 arithmetic is kept,
+    with a warning that says what it costs here (process 0 alone measures and says it)."""
+    device = jax.devices()[0]
+    explicit = cfg.dtype == "bfloat16"
+    cfg, chosen = precision.settle(cfg, device.platform, device)
+    if explicit and not chosen.native and jax.process_index() == 0:
+        warning = precision.slow_bfloat16_warning(device.platform)
+        print(f"kubejax trainer: warning: {warning}", file=sys.stderr, flush=True)
+    return cfg, chosen
 
 
 def run_choices(cfg: TrainConfig, data: TrainData, model) -> list[str]:

@@ -72,17 +72,31 @@ MIN_TRIAL_SHARE = 0.25
 @dataclass
 class Machine:
     """This machine's speed for the run: the matmul measured now, and the other work on its
-    cores (processes running beside this one, counted now, `busy_others`)."""
+    cores (processes running beside this one, counted now, `busy_others`); once the real
+    model's step has been timed here (`kubejax.launchers.probe`), its speed and its job's start and
+    compile in place of the matmul's and the constants' (`measured`)."""
 
     dtype: str
     gflops: float
     others: float
     cores: int
+    measured: StepTiming | None = None
 
     @property
     def efficiency(self) -> float:
         """The trainer's share of the matmul speed (`EFFICIENCY`)."""
         return EFFICIENCY.get(self.dtype, EFFICIENCY["float32"])
+
+    def job_start_s(self) -> float:
+        """A training job's start before its first step (`JOB_START_S`, or as timed)."""
+        return JOB_START_S if self.measured is None else self.measured.job_start_s
+
+    def compile_s(self, warm: bool) -> float:
+        """A job's compile, afresh or from JAX's persistent cache (`COMPILE_S`, or as timed:
+        the timed job compiled afresh; its programs are then in the cache for the others)."""
+        if self.measured is None or warm:
+            return COMPILE_S["warm" if warm else "cold"]
+        return self.measured.compile_s
 
     @property
     def speed(self) -> float:
@@ -90,7 +104,10 @@ class Machine:
         into the FLOPs' seconds; the fixed costs are the idle machine's: other processes
         counted busy when a run started (`busy_others`: 2 and 3.7 of them on the 2-core Xeon)
         slowed the embedded decoder's run 1.2x and 1.05x, not the 2x and 2.9x their share of
-        the cores would (how long they go on is not known at the start)."""
+        the cores would (how long they go on is not known at the start). Once the real
+        model's step was timed: the FLOP/s of that step."""
+        if self.measured is not None:
+            return self.measured.flop_s
         return self.gflops * 1e9 * self.efficiency
 
     def describe(self) -> str:
@@ -101,10 +118,36 @@ class Machine:
             if self.others >= 0.25
             else ""
         )
+        if self.measured is not None:
+            return f"{self.measured.describe()}{busy}"
         return (
             f"{self.dtype} matmul measured now {self.gflops:.0f} GFLOP/s on {self.cores} "
             f"core(s) × {self.efficiency} (kubejax's trainer, measured: docs/tune.md) = "
             f"{self.speed / 1e9:.0f} GFLOP/s{busy}"
+        )
+
+
+@dataclass
+class StepTiming:
+    """The real model's training step timed on this machine (`kubejax.launchers.probe`): `rows` ×
+    `length` tokens a step in `step_s` (the median step after the first), the job's start
+    before its first step, the first step's compile beyond a step, the probe's wall."""
+
+    rows: int
+    length: int
+    step_s: float
+    flop_s: float
+    job_start_s: float
+    compile_s: float
+    wall_s: float
+
+    def describe(self) -> str:
+        """The timing in one line."""
+        return (
+            f"the real model's step timed now: {self.rows} × {self.length} tokens in "
+            f"{self.step_s:.2f} s = {self.flop_s / 1e9:.0f} GFLOP/s; a job's start "
+            f"{self.job_start_s:.0f} s, its compile {self.compile_s:.0f} s (probe "
+            f"{self.wall_s:.0f} s)"
         )
 
 
@@ -126,26 +169,14 @@ def busy_others(samples: int = 20, every: float = 0.02) -> float:
 
 
 def measure_machine(dtype: str = "float32", n: int = 1024, seconds: float = 0.5) -> Machine:
-    """Time an n×n `dtype` matmul through XLA for about `seconds` (its median, as
-    benchmarks/common.py's `matmul_peak_gflops` measures it but robust to a moment's
-    neighbour), and count the other processes running now (`busy_others`)."""
-    import statistics
-
-    import jax
-    import jax.numpy as jnp
+    """Time an n×n `dtype` matmul through XLA for about `seconds`
+    (`kubejax.monitoring.matmul_gflops`), and count the other processes running now
+    (`busy_others`)."""
+    from kubejax.monitoring import matmul_gflops
 
     dtype = dtype if dtype in EFFICIENCY else "float32"
     others = busy_others()
-    a = jax.random.normal(jax.random.key(0), (n, n), dtype)
-    f = jax.jit(lambda x: jnp.matmul(x, x, preferred_element_type=jnp.float32))
-    f(a).block_until_ready()
-    times, end = [], time.perf_counter() + seconds
-    while time.perf_counter() < end or len(times) < 5:
-        t = time.perf_counter()
-        f(a).block_until_ready()
-        times.append(time.perf_counter() - t)
-    gflops = 2 * n**3 / statistics.median(times) / 1e9
-    return Machine(dtype, gflops, others, os.cpu_count() or 1)
+    return Machine(dtype, matmul_gflops(dtype, n, seconds), others, os.cpu_count() or 1)
 
 
 def _machine_key() -> str:
@@ -216,12 +247,11 @@ class Job:
         evals = self.evals * self.eval_examples * self.length * shape.eval_flops(self.length)
         return train + evals
 
-    def busy_seconds(self, warm: bool) -> float:
+    def busy_seconds(self, compile_s: float) -> float:
         """The job's seconds of work beyond its FLOPs on an idle machine that take every core
-        (a second job beside it waits as for its FLOPs): compiling, the steps' and the
-        evaluation batches' fixed costs."""
+        (a second job beside it waits as for its FLOPs): compiling (`compile_s`), the steps'
+        and the evaluation batches' fixed costs."""
         batches = self.evals * math.ceil(self.eval_examples / self.eval_batch)
-        compile_s = COMPILE_S["warm" if warm else "cold"]
         return compile_s + self.steps * STEP_S + batches * EVAL_BATCH_S
 
 
@@ -258,13 +288,19 @@ def sweep_seconds(
     """The sweep step: its own work, then its trials `parallel` at a time: their starts side
     by side, their compiles, steps and FLOPs sharing the machine."""
     waves = math.ceil(trials / max(1, min(parallel, machine.cores)))
-    fixed = TASK_START_S + SWEEP_FIXED_S + waves * JOB_START_S + trials * trial.busy_seconds(warm)
+    # Each trial compiles its own programs: a LoRA rank or scale the search changes is a
+    # program of its own (the learning rate is not: it is an argument of the step).
+    busy = trials * trial.busy_seconds(machine.compile_s(warm))
+    fixed = TASK_START_S + SWEEP_FIXED_S + waves * machine.job_start_s() + busy
     return fixed + trials * trial.flops(shape) / machine.speed
 
 
 def train_seconds(machine: Machine, shape: ModelShape, job: Job, warm: bool) -> float:
     """The train step: one job, then its model's export."""
-    fixed = TASK_START_S + JOB_START_S + job.busy_seconds(warm) + TRAIN_FINISH_S
+    fixed = (
+        TASK_START_S + machine.job_start_s() + job.busy_seconds(machine.compile_s(warm))
+        + TRAIN_FINISH_S
+    )  # fmt: skip
     return fixed + job.flops(shape) / machine.speed
 
 

@@ -26,6 +26,8 @@ from kubejax.jobs.launch import delete_on_sigterm
 from kubejax.jobs.spec import JAXJobSpec, job_name
 from kubejax.outputs import read_metrics
 from kubejax.tune.katib import ALGORITHMS as KATIB_ALGORITHMS
+from kubejax.tune.optimizationjob import ALGORITHMS as OPTIMIZATIONJOB_ALGORITHMS
+from kubejax.tune.optimizationjob import refuse_algorithm
 from kubejax.tune.ray_tune import ALGORITHMS as RAY_ALGORITHMS
 from kubejax.tune.space import (
     ALGORITHMS,
@@ -41,7 +43,7 @@ from kubejax.tune.space import (
 )
 
 DIRECTIONS = ("maximize", "minimize")
-TUNERS = ("optuna", "katib", "ray")
+TUNERS = ("optuna", "katib", "ray", "optimizationjob")
 POLL_SECONDS = 5.0
 JOB_ATTR, OUTPUT_ATTR, STEPS_ATTR = "kubejax_job", "kubejax_output", "kubejax_steps"
 #: Workers of a trial's job, and when it started and ended (seconds since the epoch).
@@ -71,12 +73,15 @@ class SweepConfig:
     tuner: str = _f(
         "optuna",
         "optuna (the study runs in the sweep step), katib (a Katib Experiment on the cluster, "
-        "whose trials are the same jobs) or ray (Ray Tune in the sweep step: ASHA, PBT)",
+        "whose trials are the same jobs; Katib is deprecated upstream in favour of "
+        "OptimizationJob), ray (Ray Tune in the sweep step: ASHA, PBT) or optimizationjob (a "
+        "Kubeflow Trainer OptimizationJob of the same TrainJobs: random or grid, no early "
+        "stopping, at most 100 trials)",
     )
     algorithm: str = _f(
         "tpe",
         "grid, random, tpe or cmaes; with tuner katib also multivariate-tpe, "
-        "bayesianoptimization or hyperband",
+        "bayesianoptimization or hyperband; with tuner optimizationjob random or grid only",
     )
     max_trials: int = _f(8, "trials in the study, counting those of earlier attempts")
     parallelism: int = _f(2, "trials running at once")
@@ -129,10 +134,17 @@ class SweepConfig:
         if self.tuner not in TUNERS:
             raise SweepError(f"tuner: {self.tuner!r} is not one of {', '.join(TUNERS)}")
         algorithms = {"katib": KATIB_ALGORITHMS, "ray": RAY_ALGORITHMS}.get(self.tuner, ALGORITHMS)
+        if self.tuner == "optimizationjob" and self.algorithm not in OPTIMIZATIONJOB_ALGORITHMS:
+            raise refuse_algorithm(self.algorithm)
         if self.algorithm not in algorithms:
             raise SweepError(
                 f"algorithm: {self.algorithm!r} is not one of {', '.join(algorithms)}"
                 + {"katib": " (Katib's)", "ray": " (with tuner ray)"}.get(self.tuner, "")
+            )
+        if self.scheduler != "none" and self.tuner == "optimizationjob":
+            raise SweepError(
+                f"scheduler: {self.scheduler} is Ray Tune's; OptimizationJob has no schedulers "
+                "(ASHA, PBT); use tuner=ray"
             )
         if self.scheduler != "none" and self.tuner != "ray":
             raise SweepError(

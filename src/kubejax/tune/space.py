@@ -260,6 +260,14 @@ def _matching_choice(choices: list, value):
     return _NONE
 
 
+def _numeric(text: str) -> bool:
+    try:
+        float(text)
+    except ValueError:
+        return False
+    return True
+
+
 def default_point(space: dict[str, dict], settings: dict) -> tuple[dict, dict[str, dict], list]:
     """The point of the search space where the run's defaults lie: each dimension's value in
     `settings` (the settings the run takes without a sweep), a conditional one only where its
@@ -283,6 +291,12 @@ def default_point(space: dict[str, dict], settings: dict) -> tuple[dict, dict[st
                 notes.append(f"{name}: the default {value!r} joins the choices {entry['choices']}")
                 match = value
             point[name] = match
+        elif isinstance(value, str) and not _numeric(value):
+            # A setting the run leaves to itself (grad_accum_steps `auto`): no point of the
+            # range is its own, the range's first stands for it.
+            notes.append(f"{name}: the default {value!r} is no number; the low {entry['low']} "
+                         "stands for it")  # fmt: skip
+            point[name] = entry["low"]
         else:
             value = float(value) if entry["type"] == "float" else int(value)
             if value < entry["low"] or value > entry["high"]:
